@@ -1,0 +1,1 @@
+"""Async speculative-decoding serving engine on llama.cpp."""

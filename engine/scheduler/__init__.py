@@ -1,0 +1,1 @@
+"""The async scheduler (requests, slots, the step); see issue 3."""

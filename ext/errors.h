@@ -1,0 +1,60 @@
+// Typed errors raised by the native layer. Each kind maps onto one Python exception class
+// of engine.session.errors (the translator lives in nb_spec.cpp); the detail fields carry
+// what the seed API's error variants carry (sequence id, sizes, reason).
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+namespace engine {
+
+enum class ErrorKind {
+    Init,                  // session / context could not be created
+    ModelLoad,             // a model file could not be loaded (subclass of Init in Python)
+    Process,               // common_speculative_process failed
+    Begin,
+    Draft,
+    Accept,
+    PromptTooLong,         // size, maximum
+    IncompatibleContexts,  // reason
+    BadSeqId,              // seq_id, n_seq
+    InvalidConfig,         // reason
+    InvalidArgument,       // reason (bad token id, position, batch ...)
+    Decode,                // code
+    ProposalPending,       // seq_id
+    NoPendingProposal,     // seq_id
+    AcceptedTooMany,       // accepted, proposed
+    State,                 // reason
+    NotQuiescent,          // seq_id (subclass of State in Python)
+    Closed,                // the runtime was closed
+};
+
+struct Error : std::runtime_error {
+    ErrorKind kind;
+    std::string reason;
+    int64_t seq_id = -1;
+    int64_t n_seq = -1;
+    int64_t size = -1;
+    int64_t maximum = -1;
+    int64_t accepted = -1;
+    int64_t proposed = -1;
+    int64_t code = 0;
+
+    Error(ErrorKind kind, std::string message, std::string reason = {})
+        : std::runtime_error(std::move(message)), kind(kind), reason(std::move(reason)) {}
+};
+
+[[noreturn]] inline void fail(ErrorKind kind, const std::string & message) {
+    throw Error(kind, message, message);
+}
+
+[[noreturn]] inline void fail_bad_seq(int64_t seq_id, int64_t n_seq) {
+    Error e(ErrorKind::BadSeqId, "sequence id " + std::to_string(seq_id) + " out of range (n_seq = " +
+                                     std::to_string(n_seq) + ")");
+    e.seq_id = seq_id;
+    e.n_seq = n_seq;
+    throw e;
+}
+
+}  // namespace engine

@@ -1,0 +1,559 @@
+#include "model.h"
+
+#include "gguf.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <sys/stat.h>
+#include <thread>
+
+namespace engine {
+
+// ---------------------------------------------------------------------------------------
+// GGUF preflight
+
+namespace {
+
+struct GgufCloser {
+    void operator()(gguf_context * g) const { gguf_free(g); }
+};
+
+// Read an integer KV of any integer type; -1 when absent or not an integer.
+int64_t gguf_int(const gguf_context * g, const std::string & key) {
+    const int64_t id = gguf_find_key(g, key.c_str());
+    if (id < 0) {
+        return -1;
+    }
+    switch (gguf_get_kv_type(g, id)) {
+        case GGUF_TYPE_UINT8: return gguf_get_val_u8(g, id);
+        case GGUF_TYPE_INT8: return gguf_get_val_i8(g, id);
+        case GGUF_TYPE_UINT16: return gguf_get_val_u16(g, id);
+        case GGUF_TYPE_INT16: return gguf_get_val_i16(g, id);
+        case GGUF_TYPE_UINT32: return gguf_get_val_u32(g, id);
+        case GGUF_TYPE_INT32: return gguf_get_val_i32(g, id);
+        case GGUF_TYPE_UINT64: return static_cast<int64_t>(gguf_get_val_u64(g, id));
+        case GGUF_TYPE_INT64: return gguf_get_val_i64(g, id);
+        default: return -1;
+    }
+}
+
+std::vector<int64_t> gguf_int_array(const gguf_context * g, const std::string & key) {
+    std::vector<int64_t> out;
+    const int64_t id = gguf_find_key(g, key.c_str());
+    if (id < 0 || gguf_get_kv_type(g, id) != GGUF_TYPE_ARRAY) {
+        return out;
+    }
+    const size_t n = gguf_get_arr_n(g, id);
+    const void * data = gguf_get_arr_data(g, id);
+    switch (gguf_get_arr_type(g, id)) {
+        case GGUF_TYPE_INT32:
+            for (size_t i = 0; i < n; ++i) out.push_back(static_cast<const int32_t *>(data)[i]);
+            break;
+        case GGUF_TYPE_UINT32:
+            for (size_t i = 0; i < n; ++i) out.push_back(static_cast<const uint32_t *>(data)[i]);
+            break;
+        case GGUF_TYPE_INT64:
+            for (size_t i = 0; i < n; ++i) out.push_back(static_cast<const int64_t *>(data)[i]);
+            break;
+        case GGUF_TYPE_UINT64:
+            for (size_t i = 0; i < n; ++i) out.push_back(static_cast<int64_t>(static_cast<const uint64_t *>(data)[i]));
+            break;
+        default:
+            break;
+    }
+    return out;
+}
+
+[[noreturn]] void load_fail(const std::string & path, const std::string & why) {
+    fail(ErrorKind::ModelLoad, "cannot load model '" + path + "': " + why);
+}
+
+}  // namespace
+
+GgufFacts preflight_gguf(const std::string & path) {
+    struct stat st {};
+    if (stat(path.c_str(), &st) != 0) {
+        load_fail(path, "no such file");
+    }
+    if (S_ISDIR(st.st_mode)) {
+        load_fail(path, "is a directory");
+    }
+    if (!S_ISREG(st.st_mode)) {
+        load_fail(path, "not a regular file");
+    }
+    if (st.st_size == 0) {
+        load_fail(path, "the file is empty");
+    }
+    {
+        char magic[4] = {0, 0, 0, 0};
+        FILE * f = std::fopen(path.c_str(), "rb");
+        if (f == nullptr) {
+            load_fail(path, "cannot open the file for reading");
+        }
+        const size_t n = std::fread(magic, 1, 4, f);
+        std::fclose(f);
+        if (n != 4 || std::memcmp(magic, "GGUF", 4) != 0) {
+            load_fail(path, "not a GGUF file (bad magic)");
+        }
+    }
+    gguf_init_params gp{/*no_alloc =*/true, /*ctx =*/nullptr};
+    std::unique_ptr<gguf_context, GgufCloser> g(gguf_init_from_file(path.c_str(), gp));
+    if (!g) {
+        load_fail(path, "the GGUF header is truncated or corrupt");
+    }
+
+    GgufFacts facts;
+    {
+        const int64_t id = gguf_find_key(g.get(), "general.architecture");
+        if (id < 0 || gguf_get_kv_type(g.get(), id) != GGUF_TYPE_STRING) {
+            load_fail(path, "general.architecture is missing");
+        }
+        facts.arch = gguf_get_val_str(g.get(), id);
+    }
+    const std::string & a = facts.arch;
+    facts.block_count = gguf_int(g.get(), a + ".block_count");
+    facts.n_embd = gguf_int(g.get(), a + ".embedding_length");
+    facts.target_layers = gguf_int_array(g.get(), a + ".target_layers");
+    facts.target_hidden_size = gguf_int(g.get(), a + ".target_hidden_size");
+    facts.mask_token_id = gguf_int(g.get(), "tokenizer.ggml.mask_token_id");
+    facts.block_size = gguf_int(g.get(), a + ".block_size");
+
+    // tensor data must lie inside the file
+    const size_t data_offset = gguf_get_data_offset(g.get());
+    const int64_t n_tensors = gguf_get_n_tensors(g.get());
+    for (int64_t i = 0; i < n_tensors; ++i) {
+        const size_t end = data_offset + gguf_get_tensor_offset(g.get(), i) + gguf_get_tensor_size(g.get(), i);
+        if (end > static_cast<size_t>(st.st_size)) {
+            load_fail(path, "truncated: tensor '" + std::string(gguf_get_tensor_name(g.get(), i)) +
+                                "' extends beyond the end of the file");
+        }
+        // the CPU ssm_conv kernel asserts an F32 kernel (ops.cpp) at the first decode
+        const std::string name = gguf_get_tensor_name(g.get(), i);
+        if (name.find("ssm_conv1d") != std::string::npos &&
+            gguf_get_tensor_type(g.get(), i) != GGML_TYPE_F32) {
+            load_fail(path, "tensor '" + name + "' is " + ggml_type_name(gguf_get_tensor_type(g.get(), i)) +
+                                "; llama.cpp requires ssm_conv1d in F32");
+        }
+    }
+
+    if (a == "eagle3") {
+        // src/models/eagle3.cpp asserts a single decoder layer when the graph is built
+        if (facts.block_count != 1) {
+            load_fail(path, "an EAGLE-3 draft must have block_count 1, this one has " +
+                                std::to_string(facts.block_count));
+        }
+        if (facts.target_hidden_size <= 0) {
+            load_fail(path, "eagle3.target_hidden_size is missing");
+        }
+    }
+    if (a == "dflash" || a == "dspark") {
+        // without a mask token the first draft aborts in common_batch::get_sub_batch
+        if (facts.mask_token_id < 0) {
+            load_fail(path, "a DFlash draft needs tokenizer.ggml.mask_token_id");
+        }
+        if (facts.target_layers.empty()) {
+            load_fail(path, a + ".target_layers is missing");
+        }
+    }
+    for (int64_t layer : facts.target_layers) {
+        if (layer < 0) {
+            load_fail(path, a + ".target_layers holds a negative layer id");
+        }
+    }
+    return facts;
+}
+
+// ---------------------------------------------------------------------------------------
+// Model
+
+Model::Model(const std::string & path, const ModelParams & params) {
+    GgufFacts facts = preflight_gguf(path);
+
+    llama_model_params mp = llama_model_default_params();
+    mp.n_gpu_layers = params.n_gpu_layers;
+    mp.load_mtp = params.load_mtp;
+    mp.vocab_only = params.vocab_only;
+    model_ = llama_model_load_from_file(path.c_str(), mp);
+    if (model_ == nullptr) {
+        load_fail(path, "llama.cpp refused the file (unsupported architecture, missing or "
+                        "mis-shaped tensors; see the llama.cpp log)");
+    }
+    vocab_ = llama_model_get_vocab(model_);
+
+    ModelInfo & in = info_;
+    in.path = path;
+    in.facts = std::move(facts);
+    in.arch = in.facts.arch;
+    char buf[512];
+    if (llama_model_desc(model_, buf, sizeof(buf)) > 0) {
+        in.description = buf;
+    }
+    in.n_vocab = llama_vocab_n_tokens(vocab_);
+    if (!params.vocab_only) {  // a vocab-only model has no hyperparameters to ask about
+        in.n_embd = llama_model_n_embd(model_);
+        in.n_layer = llama_model_n_layer(model_);
+        in.n_layer_nextn = llama_model_n_layer_nextn(model_);
+        in.n_head = llama_model_n_head(model_);
+        in.n_head_kv = llama_model_n_head_kv(model_);
+        in.n_ctx_train = llama_model_n_ctx_train(model_);
+        in.n_params = llama_model_n_params(model_);
+        in.size = llama_model_size(model_);
+        in.is_recurrent = llama_model_is_recurrent(model_);
+        in.is_hybrid = llama_model_is_hybrid(model_);
+        in.has_encoder = llama_model_has_encoder(model_);
+    }
+    vocab_only_ = params.vocab_only;
+    struct stat st {};
+    if (stat(path.c_str(), &st) == 0) {
+        in.file_size = static_cast<uint64_t>(st.st_size);
+    }
+    in.vocab_type = static_cast<int32_t>(llama_vocab_type(vocab_));
+    in.bos = llama_vocab_bos(vocab_);
+    in.eos = llama_vocab_eos(vocab_);
+    in.eot = llama_vocab_eot(vocab_);
+    in.add_bos = llama_vocab_get_add_bos(vocab_);
+    in.add_eos = llama_vocab_get_add_eos(vocab_);
+    for (llama_token t = 0; t < in.n_vocab; ++t) {
+        if (llama_vocab_is_eog(vocab_, t)) {
+            in.eog_tokens.push_back(t);
+        }
+    }
+    if (const char * tmpl = llama_model_chat_template(model_, nullptr)) {
+        in.chat_template = tmpl;
+    }
+    const int32_t n_meta = llama_model_meta_count(model_);
+    std::vector<char> val(1 << 16);
+    for (int32_t i = 0; i < n_meta; ++i) {
+        if (llama_model_meta_key_by_index(model_, i, buf, sizeof(buf)) < 0) {
+            continue;
+        }
+        const int32_t n = llama_model_meta_val_str_by_index(model_, i, val.data(), val.size());
+        if (n >= 0) {
+            in.metadata[buf] = std::string(val.data(), std::min<size_t>(n, val.size() - 1));
+        }
+    }
+}
+
+Model::~Model() {
+    if (model_ != nullptr) {
+        llama_model_free(model_);
+    }
+}
+
+void Model::check_tokens(const std::vector<llama_token> & tokens, const char * what) const {
+    for (size_t i = 0; i < tokens.size(); ++i) {
+        if (tokens[i] < 0 || tokens[i] >= info_.n_vocab) {
+            fail(ErrorKind::InvalidArgument, std::string(what) + ": token id " + std::to_string(tokens[i]) +
+                                                 " at index " + std::to_string(i) + " is outside [0, " +
+                                                 std::to_string(info_.n_vocab) + ")");
+        }
+    }
+}
+
+std::vector<llama_token> Model::tokenize(const std::string & text, bool add_special, bool parse_special) const {
+    if (text.size() > static_cast<size_t>(INT32_MAX / 2)) {
+        fail(ErrorKind::InvalidArgument, "text too long to tokenize");
+    }
+    std::vector<llama_token> out(text.size() + 2 * add_special + 1);
+    int32_t n = llama_tokenize(vocab_, text.data(), static_cast<int32_t>(text.size()), out.data(),
+                               static_cast<int32_t>(out.size()), add_special, parse_special);
+    if (n < 0) {
+        out.resize(static_cast<size_t>(-n));
+        n = llama_tokenize(vocab_, text.data(), static_cast<int32_t>(text.size()), out.data(),
+                           static_cast<int32_t>(out.size()), add_special, parse_special);
+    }
+    if (n < 0) {
+        fail(ErrorKind::InvalidArgument, "tokenization failed");
+    }
+    out.resize(static_cast<size_t>(n));
+    return out;
+}
+
+std::string Model::detokenize(const std::vector<llama_token> & tokens, bool remove_special,
+                              bool unparse_special) const {
+    check_tokens(tokens, "detokenize");
+    std::string out(tokens.size() * 8 + 16, '\0');
+    int32_t n = llama_detokenize(vocab_, tokens.data(), static_cast<int32_t>(tokens.size()), out.data(),
+                                 static_cast<int32_t>(out.size()), remove_special, unparse_special);
+    if (n < 0) {
+        out.resize(static_cast<size_t>(-n));
+        n = llama_detokenize(vocab_, tokens.data(), static_cast<int32_t>(tokens.size()), out.data(),
+                             static_cast<int32_t>(out.size()), remove_special, unparse_special);
+    }
+    out.resize(static_cast<size_t>(std::max(n, 0)));
+    return out;
+}
+
+std::string Model::token_to_piece(llama_token token, bool special) const {
+    check_tokens({token}, "token_to_piece");
+    char buf[256];
+    int32_t n = llama_token_to_piece(vocab_, token, buf, sizeof(buf), 0, special);
+    if (n < 0) {
+        std::string big(static_cast<size_t>(-n), '\0');
+        n = llama_token_to_piece(vocab_, token, big.data(), static_cast<int32_t>(big.size()), 0, special);
+        big.resize(static_cast<size_t>(std::max(n, 0)));
+        return big;
+    }
+    return std::string(buf, static_cast<size_t>(n));
+}
+
+std::string Model::apply_chat_template(const std::vector<std::pair<std::string, std::string>> & messages,
+                                       bool add_assistant, const std::string & tmpl) const {
+    const std::string & t = tmpl.empty() ? info_.chat_template : tmpl;
+    if (t.empty()) {
+        fail(ErrorKind::InvalidArgument, "the model has no chat template; pass one explicitly");
+    }
+    std::vector<llama_chat_message> chat;
+    chat.reserve(messages.size());
+    size_t total = 0;
+    for (const auto & m : messages) {
+        chat.push_back({m.first.c_str(), m.second.c_str()});
+        total += m.first.size() + m.second.size();
+    }
+    std::string out(total * 2 + 1024, '\0');
+    int32_t n = llama_chat_apply_template(t.c_str(), chat.data(), chat.size(), add_assistant, out.data(),
+                                          static_cast<int32_t>(out.size()));
+    if (n > static_cast<int32_t>(out.size())) {
+        out.resize(static_cast<size_t>(n));
+        n = llama_chat_apply_template(t.c_str(), chat.data(), chat.size(), add_assistant, out.data(),
+                                      static_cast<int32_t>(out.size()));
+    }
+    if (n < 0) {
+        fail(ErrorKind::InvalidArgument, "llama.cpp does not support this chat template");
+    }
+    out.resize(static_cast<size_t>(n));
+    return out;
+}
+
+std::string vocab_mismatch(const Model & target, const Model & draft) {
+    const ModelInfo & t = target.info();
+    const ModelInfo & d = draft.info();
+    if (t.vocab_type != d.vocab_type) {
+        return "vocabulary types differ (" + std::to_string(t.vocab_type) + " vs " + std::to_string(d.vocab_type) + ")";
+    }
+    if (t.n_vocab != d.n_vocab) {
+        return "vocabulary sizes differ (" + std::to_string(t.n_vocab) + " vs " + std::to_string(d.n_vocab) + ")";
+    }
+    if (t.add_bos != d.add_bos || (t.add_bos && t.bos != d.bos) || t.add_eos != d.add_eos ||
+        (t.add_eos && t.eos != d.eos)) {
+        return "BOS/EOS tokens differ";
+    }
+    for (llama_token i = 0; i < t.n_vocab; ++i) {
+        if (std::strcmp(llama_vocab_get_text(target.vocab(), i), llama_vocab_get_text(draft.vocab(), i)) != 0) {
+            return "token " + std::to_string(i) + " differs";
+        }
+    }
+    return {};
+}
+
+// ---------------------------------------------------------------------------------------
+// Context
+
+int32_t BatchData::n_outputs() const {
+    int32_t n = 0;
+    for (uint8_t l : logits) {
+        n += l != 0;
+    }
+    return n;
+}
+
+Context::Context(std::shared_ptr<Model> model, const ContextParams & params, std::shared_ptr<Context> other)
+    : model_(std::move(model)), other_(std::move(other)), params_(params) {
+    const ModelInfo & in = model_->info();
+    if (model_->vocab_only()) {
+        fail(ErrorKind::Init, "model '" + in.path + "' was loaded vocab-only: it cannot back a context");
+    }
+    auto bad = [](const std::string & why) { fail(ErrorKind::InvalidConfig, why); };
+    if (params.n_seq < 1 || params.n_seq > 256) bad("n_seq must be in [1, 256], got " + std::to_string(params.n_seq));
+    if (params.n_ctx < 1) bad("n_ctx must be positive");
+    if (params.n_ctx < params.n_seq) bad("n_ctx " + std::to_string(params.n_ctx) + " is too small for n_seq " +
+                                         std::to_string(params.n_seq) + " (each sequence needs at least one cell)");
+    if (params.n_batch < 1) bad("n_batch must be positive");
+    if (params.n_ubatch < 1 || params.n_ubatch > params.n_batch) bad("n_ubatch must be in [1, n_batch]");
+    if (params.n_threads < 0) bad("threads must be >= 0 (0 = all cores), got " + std::to_string(params.n_threads));
+    if (params.n_outputs_max > params.n_batch) bad("n_outputs_max must be <= n_batch");
+    if (params.kind == ContextKind::Mtp) {
+        if (in.n_layer_nextn <= 0) {
+            fail(ErrorKind::Init, "model '" + in.path + "' has no NextN/MTP layers: it cannot back an MTP context");
+        }
+        if (!other_) {
+            fail(ErrorKind::IncompatibleContexts, "an MTP context needs the target context it drafts for");
+        }
+    }
+    if (in.has_encoder) {
+        fail(ErrorKind::Init, "encoder-decoder models are not supported");
+    }
+
+    llama_context_params cp = llama_context_default_params();
+    cp.n_ctx = params.n_ctx;
+    cp.n_batch = params.n_batch;
+    cp.n_ubatch = params.n_ubatch;
+    cp.n_seq_max = params.n_seq;
+    cp.n_rs_seq = params.n_rs_seq;
+    cp.n_outputs_max = params.n_outputs_max;
+    cp.n_outputs_max_per_seq = params.n_outputs_max_per_seq;
+    const int32_t threads = params.n_threads > 0 ? params.n_threads
+                                                 : static_cast<int32_t>(std::max(1u, std::thread::hardware_concurrency()));
+    cp.n_threads = threads;
+    cp.n_threads_batch = threads;
+    cp.ctx_type = params.kind == ContextKind::Mtp ? LLAMA_CONTEXT_TYPE_MTP : LLAMA_CONTEXT_TYPE_DEFAULT;
+    cp.embeddings = params.embeddings;
+    cp.kv_unified = params.kv_unified;
+    cp.no_perf = false;
+    cp.ctx_other = other_ ? other_->get() : nullptr;
+    ctx_ = llama_init_from_model(model_->get(), cp);
+    if (ctx_ == nullptr) {
+        fail(ErrorKind::Init, "llama.cpp could not create a context for '" + in.path + "' (see the llama.cpp log)");
+    }
+    params_.n_ctx = llama_n_ctx(ctx_);
+    params_.n_batch = llama_n_batch(ctx_);
+    params_.n_ubatch = llama_n_ubatch(ctx_);
+    params_.n_seq = llama_n_seq_max(ctx_);
+    params_.n_rs_seq = llama_n_rs_seq(ctx_);
+    params_.n_threads = threads;
+    if (params_.n_outputs_max == 0) {
+        params_.n_outputs_max = params_.n_batch;
+    }
+    if (params_.n_outputs_max_per_seq == 0) {
+        params_.n_outputs_max_per_seq = params_.n_outputs_max;
+    }
+}
+
+Context::~Context() {
+    if (ctx_ != nullptr) {
+        llama_free(ctx_);
+    }
+}
+
+void Context::check_seq(int64_t seq_id) const {
+    if (seq_id < 0 || seq_id >= params_.n_seq) {
+        fail_bad_seq(seq_id, params_.n_seq);
+    }
+}
+
+void Context::validate_batch(const BatchData & b) const {
+    const size_t n = b.size();
+    auto bad = [](const std::string & why) { fail(ErrorKind::InvalidArgument, "invalid batch: " + why); };
+    if (b.pos.size() != n || b.seq.size() != n || b.logits.size() != n) bad("arrays of different lengths");
+    if (n == 0) bad("the batch is empty");
+    if (n > params_.n_batch) {
+        bad(std::to_string(n) + " tokens exceed n_batch " + std::to_string(params_.n_batch));
+    }
+    model_->check_tokens(b.tokens, "batch");
+    std::vector<uint32_t> per_seq(params_.n_seq, 0);
+    uint32_t outputs = 0;
+    for (size_t i = 0; i < n; ++i) {
+        if (b.seq[i] < 0 || static_cast<uint32_t>(b.seq[i]) >= params_.n_seq) {
+            fail_bad_seq(b.seq[i], params_.n_seq);
+        }
+        if (b.pos[i] < 0 || static_cast<uint32_t>(b.pos[i]) >= params_.n_ctx) {
+            bad("position " + std::to_string(b.pos[i]) + " is outside [0, n_ctx=" + std::to_string(params_.n_ctx) + ")");
+        }
+        if (b.logits[i]) {
+            ++outputs;
+            if (++per_seq[b.seq[i]] > params_.n_outputs_max_per_seq) {
+                bad("more than " + std::to_string(params_.n_outputs_max_per_seq) + " outputs for sequence " +
+                    std::to_string(b.seq[i]));
+            }
+        }
+    }
+    if (outputs > params_.n_outputs_max) {
+        bad(std::to_string(outputs) + " outputs exceed n_outputs_max " + std::to_string(params_.n_outputs_max));
+    }
+}
+
+common_batch Context::to_common_batch(const BatchData & b) const {
+    common_batch cb(ctx_);
+    for (size_t i = 0; i < b.size(); ++i) {
+        cb.add(b.tokens[i], b.pos[i], b.seq[i], b.logits[i] != 0);
+    }
+    return cb;
+}
+
+int32_t Context::decode(const BatchData & batch) {
+    validate_batch(batch);
+    common_batch cb = to_common_batch(batch);
+    logits_ = nullptr;
+    embeddings_ = nullptr;
+    n_outputs_ = 0;
+    const int32_t ret = llama_process(ctx_, LLAMA_PROCESS_TYPE_DECODE, cb.get());
+    if (ret != 0) {
+        Error e(ErrorKind::Decode, "decode failed with code " + std::to_string(ret) +
+                                       (ret == 1 ? " (no KV slot for the batch: the context is full)" : ""));
+        e.code = ret;
+        throw e;
+    }
+    n_outputs_ = batch.n_outputs();
+    if (n_outputs_ > 0) {
+        logits_ = llama_get_logits(ctx_);
+        if (params_.embeddings) {
+            embeddings_ = llama_get_embeddings(ctx_);
+        }
+    }
+    return n_outputs_;
+}
+
+int32_t Context::n_embd_out() const {
+    return llama_model_n_embd_out(model_->get());
+}
+
+bool Context::kv_remove(int64_t seq_id, int64_t p0, int64_t p1) {
+    if (seq_id < -1 || seq_id >= params_.n_seq) {
+        fail_bad_seq(seq_id, params_.n_seq);
+    }
+    if (p0 > INT32_MAX || p1 > INT32_MAX) {
+        fail(ErrorKind::InvalidArgument, "position exceeds the native int32 range");
+    }
+    return llama_memory_seq_rm(llama_get_memory(ctx_), static_cast<llama_seq_id>(seq_id),
+                               static_cast<llama_pos>(std::max<int64_t>(p0, -1)),
+                               static_cast<llama_pos>(std::max<int64_t>(p1, -1)));
+}
+
+int64_t Context::seq_pos_min(int32_t seq_id) const {
+    check_seq(seq_id);
+    return llama_memory_seq_pos_min(llama_get_memory(ctx_), seq_id);
+}
+
+int64_t Context::seq_pos_max(int32_t seq_id) const {
+    check_seq(seq_id);
+    return llama_memory_seq_pos_max(llama_get_memory(ctx_), seq_id);
+}
+
+int32_t Context::can_seq_rm() const {
+    // What common_context_can_seq_rm() finds out by decoding probe tokens (which would wipe
+    // the KV cache): plain attention removes any range; recurrent and hybrid memories only
+    // within their n_rs_seq snapshots, or whole sequences when they keep none.
+    const ModelInfo & in = model_->info();
+    if (!in.is_recurrent && !in.is_hybrid) {
+        return COMMON_CONTEXT_SEQ_RM_TYPE_PART;
+    }
+    return params_.n_rs_seq > 0 ? COMMON_CONTEXT_SEQ_RM_TYPE_RS : COMMON_CONTEXT_SEQ_RM_TYPE_FULL;
+}
+
+size_t Context::state_seq_size(int32_t seq_id, uint32_t flags) {
+    check_seq(seq_id);
+    return llama_state_seq_get_size_ext(ctx_, seq_id, flags);
+}
+
+std::vector<uint8_t> Context::state_seq_get(int32_t seq_id, uint32_t flags) {
+    check_seq(seq_id);
+    std::vector<uint8_t> out(llama_state_seq_get_size_ext(ctx_, seq_id, flags));
+    const size_t n = llama_state_seq_get_data_ext(ctx_, out.data(), out.size(), seq_id, flags);
+    out.resize(n);
+    return out;
+}
+
+size_t Context::state_seq_set(const std::vector<uint8_t> & data, int32_t seq_id, uint32_t flags) {
+    check_seq(seq_id);
+    if (data.empty()) {
+        fail(ErrorKind::State, "empty sequence state");
+    }
+    const size_t n = llama_state_seq_set_data_ext(ctx_, data.data(), data.size(), seq_id, flags);
+    if (n == 0) {
+        fail(ErrorKind::State, "llama.cpp rejected the sequence state for sequence " + std::to_string(seq_id));
+    }
+    return n;
+}
+
+}  // namespace engine

@@ -1,0 +1,600 @@
+// engine._nb_spec: bindings only. The logic lives in executor.cpp, model.cpp and
+// spec_session.cpp; here every native operation is wrapped into a job for the runtime's
+// native thread, and results and errors are converted on the calling Python thread.
+#include "executor.h"
+#include "model.h"
+#include "spec_session.h"
+
+#include "log.h"
+
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/map.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+namespace nb = nanobind;
+using namespace nb::literals;
+using namespace engine;
+
+namespace {
+
+// ---------------------------------------------------------------------------------------
+// llama.cpp log routing: by default only errors reach stderr (ENGINE_LLAMA_LOG=
+// debug|info|warn|error|none changes that). The callback runs on the native thread and
+// never touches Python.
+
+std::atomic<int> g_log_level{GGML_LOG_LEVEL_ERROR};
+
+void log_callback(ggml_log_level level, const char * text, void *) {
+    if (level == GGML_LOG_LEVEL_CONT || level >= g_log_level.load()) {
+        if (level != GGML_LOG_LEVEL_CONT || g_log_level.load() <= GGML_LOG_LEVEL_INFO) {
+            std::fputs(text, stderr);
+        }
+    }
+}
+
+void init_logging() {
+    const char * env = std::getenv("ENGINE_LLAMA_LOG");
+    std::string v = env ? env : "error";
+    int level = GGML_LOG_LEVEL_ERROR;
+    if (v == "debug") level = GGML_LOG_LEVEL_DEBUG;
+    else if (v == "info") level = GGML_LOG_LEVEL_INFO;
+    else if (v == "warn") level = GGML_LOG_LEVEL_WARN;
+    else if (v == "none") level = GGML_LOG_LEVEL_ERROR + 1;
+    g_log_level = level;
+    llama_log_set(log_callback, nullptr);
+    common_log_set_verbosity_thold(level <= GGML_LOG_LEVEL_INFO ? LOG_DEFAULT_LLAMA : -1);
+}
+
+// ---------------------------------------------------------------------------------------
+// Jobs
+
+template <class F>
+auto run_sync(Executor & ex, F && f) -> decltype(f()) {
+    using R = decltype(f());
+    std::shared_ptr<Ticket> t = ex.submit(
+        [f = std::forward<F>(f)]() mutable -> std::any {
+            if constexpr (std::is_void_v<R>) {
+                f();
+                return {};
+            } else {
+                return std::any(f());
+            }
+        },
+        /*notify=*/false);
+    {
+        nb::gil_scoped_release release;
+        t->wait();
+    }
+    if (t->error) {
+        std::rethrow_exception(t->error);
+    }
+    if constexpr (!std::is_void_v<R>) {
+        return std::any_cast<R>(std::move(t->value));
+    }
+}
+
+// A job submitted without waiting; asyncio awaits it through the runtime's wake-up fd.
+struct PyTicket {
+    std::shared_ptr<Ticket> ticket;
+    std::function<nb::object(std::any &)> convert;
+
+    uint64_t id() const { return ticket->id; }
+    bool done() const { return ticket->is_done(); }
+    void wait() const {
+        nb::gil_scoped_release release;
+        ticket->wait();
+    }
+    nb::object result() {
+        wait();
+        if (ticket->error) {
+            std::rethrow_exception(ticket->error);
+        }
+        return convert(ticket->value);
+    }
+    // (queued, running) seconds, for step statistics
+    std::pair<double, double> timings() const {
+        return {(ticket->t_start_ns - ticket->t_submit_ns) / 1e9, (ticket->t_end_ns - ticket->t_start_ns) / 1e9};
+    }
+};
+
+template <class F>
+PyTicket run_async(Executor & ex, F && f) {
+    using R = decltype(f());
+    PyTicket out;
+    out.ticket = ex.submit([f = std::forward<F>(f)]() mutable -> std::any { return std::any(f()); }, /*notify=*/true);
+    out.convert = [](std::any & v) { return nb::cast(std::any_cast<R>(std::move(v))); };
+    return out;
+}
+
+int64_t native_tid() { return static_cast<int64_t>(syscall(SYS_gettid)); }
+
+// ---------------------------------------------------------------------------------------
+// Handles: Python holds an id in the runtime's object table, never the object itself, so
+// that objects are created and destroyed on the native thread only.
+
+struct Runtime {
+    std::shared_ptr<Executor> ex = std::make_shared<Executor>();
+};
+
+template <class T>
+std::shared_ptr<T> lock_weak(const std::weak_ptr<T> & weak) {  // native thread
+    std::shared_ptr<T> p = weak.lock();
+    if (!p) fail(ErrorKind::Closed, "the object was freed (its runtime is closed)");
+    return p;
+}
+
+template <class T>
+struct Handle {
+    std::shared_ptr<Executor> ex;
+    uint64_t id = 0;
+    std::weak_ptr<T> weak;  // locked on the native thread only
+
+    Handle() = default;
+    Handle(const Handle &) = delete;
+    Handle & operator=(const Handle &) = delete;
+    ~Handle() {
+        if (ex && id) {
+            Executor * e = ex.get();
+            const uint64_t i = id;
+            ex->post_quiet([e, i] { e->erase(i); });
+        }
+    }
+    std::shared_ptr<T> lock() const { return lock_weak(weak); }  // native thread
+    void adopt(std::shared_ptr<Executor> executor, std::shared_ptr<T> obj) {  // native thread
+        ex = std::move(executor);
+        weak = obj;
+        id = ex->adopt(std::static_pointer_cast<void>(obj));
+    }
+};
+
+struct ModelHandle : Handle<Model> {
+    ModelInfo info;
+};
+
+// Where the last decode's outputs are, read without copying (valid until the next decode).
+struct Outputs {
+    const float * logits = nullptr;
+    const float * embeddings = nullptr;
+    int32_t n = 0;
+};
+
+struct ContextHandle : Handle<Context> {
+    ContextParams params;
+    std::shared_ptr<ModelHandle> model_ref;  // keeps the Python model object reachable
+    int32_t n_vocab = 0;
+    int32_t n_embd = 0;
+    std::shared_ptr<Outputs> out = std::make_shared<Outputs>();
+};
+
+struct SessionHandle : Handle<SpecSession> {
+    SpecConfig config;
+    nb::object target_ref, draft_ref;
+};
+
+template <class T>
+Executor & executor_of(const Handle<T> & h) {
+    if (!h.ex) fail(ErrorKind::Closed, "uninitialised handle");
+    return *h.ex;
+}
+
+std::vector<uint8_t> to_vec(const nb::bytes & b) {
+    const auto * p = static_cast<const uint8_t *>(b.data());
+    return std::vector<uint8_t>(p, p + b.size());
+}
+
+nb::bytes to_bytes(const std::vector<uint8_t> & v) {
+    return nb::bytes(reinterpret_cast<const char *>(v.data()), v.size());
+}
+
+const char * kind_name(ErrorKind k) {
+    switch (k) {
+        case ErrorKind::Init: return "InitError";
+        case ErrorKind::ModelLoad: return "ModelLoadError";
+        case ErrorKind::Process: return "ProcessError";
+        case ErrorKind::Begin: return "BeginError";
+        case ErrorKind::Draft: return "DraftError";
+        case ErrorKind::Accept: return "AcceptError";
+        case ErrorKind::PromptTooLong: return "PromptTooLongError";
+        case ErrorKind::IncompatibleContexts: return "IncompatibleContextsError";
+        case ErrorKind::BadSeqId: return "BadSeqIdError";
+        case ErrorKind::InvalidConfig: return "InvalidConfigError";
+        case ErrorKind::InvalidArgument: return "InvalidArgumentError";
+        case ErrorKind::Decode: return "DecodeError";
+        case ErrorKind::ProposalPending: return "ProposalPendingError";
+        case ErrorKind::NoPendingProposal: return "NoPendingProposalError";
+        case ErrorKind::AcceptedTooMany: return "AcceptedTooManyError";
+        case ErrorKind::State: return "StateError";
+        case ErrorKind::NotQuiescent: return "NotQuiescentError";
+        case ErrorKind::Closed: return "ClosedError";
+    }
+    return "SessionError";
+}
+
+void translate(const std::exception_ptr & p, void *) {
+    try {
+        std::rethrow_exception(p);
+    } catch (const Error & e) {
+        nb::object errors = nb::module_::import_("engine.session.errors");
+        nb::dict details;
+        auto put = [&](const char * k, int64_t v, int64_t unset) {
+            if (v != unset) details[k] = v;
+        };
+        put("seq_id", e.seq_id, -1);
+        put("n_seq", e.n_seq, -1);
+        put("size", e.size, -1);
+        put("maximum", e.maximum, -1);
+        put("accepted", e.accepted, -1);
+        put("proposed", e.proposed, -1);
+        put("code", e.code, 0);
+        if (!e.reason.empty()) details["reason"] = e.reason;
+        nb::object cls = errors.attr(kind_name(e.kind));
+        nb::object exc = cls(e.what(), **details);
+        PyErr_SetObject(cls.ptr(), exc.ptr());
+    }
+}
+
+BatchData make_batch(const std::vector<int32_t> & tokens, const std::vector<int32_t> & pos,
+                     const std::vector<int32_t> & seq, const std::vector<bool> & logits) {
+    BatchData b;
+    b.tokens = tokens;
+    b.pos = pos;
+    b.seq = seq;
+    b.logits.assign(logits.begin(), logits.end());
+    return b;
+}
+
+void after_decode(Outputs & o, const Context & c) {
+    o.logits = c.logits();
+    o.embeddings = c.embeddings();
+    o.n = c.n_outputs();
+}
+
+}  // namespace
+
+NB_MODULE(_nb_spec, m) {
+    m.doc() = "Native core of the engine: one thread owning every llama.cpp object.";
+    llama_backend_init();
+    init_logging();
+    nb::register_exception_translator(translate);
+
+    m.attr("STATE_SEQ_FLAGS_NONE") = LLAMA_STATE_SEQ_FLAGS_NONE;
+    m.attr("STATE_SEQ_FLAGS_PARTIAL_ONLY") = LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY;
+    m.attr("SEQ_RM_PART") = static_cast<int>(COMMON_CONTEXT_SEQ_RM_TYPE_PART);
+    m.attr("SEQ_RM_FULL") = static_cast<int>(COMMON_CONTEXT_SEQ_RM_TYPE_FULL);
+    m.attr("SEQ_RM_RS") = static_cast<int>(COMMON_CONTEXT_SEQ_RM_TYPE_RS);
+    m.def("system_info", [] { return std::string(llama_print_system_info()); });
+
+    // --- runtime ------------------------------------------------------------------------
+    nb::class_<PyTicket>(m, "Ticket", "A native job in flight.")
+        .def_prop_ro("id", &PyTicket::id)
+        .def("done", &PyTicket::done)
+        .def("wait", &PyTicket::wait)
+        .def("result", &PyTicket::result, "Wait (GIL released), then return the result or raise its error.")
+        .def("timings", &PyTicket::timings, "(seconds queued, seconds running)");
+
+    nb::class_<Runtime>(m, "Runtime", "The native thread that makes every llama.cpp call.")
+        .def(nb::init<>())
+        .def_prop_ro("thread_id", [](const Runtime & r) { return r.ex->thread_id(); })
+        .def_prop_ro("wake_fd", [](const Runtime & r) { return r.ex->wake_fd(); })
+        .def_prop_ro("closed", [](const Runtime & r) { return r.ex->closed(); })
+        .def("take_completed", [](Runtime & r) { return r.ex->take_completed(); })
+        .def("queue_depth", [](Runtime & r) { return r.ex->queue_depth(); })
+        .def("ping", [](Runtime & r) { return run_sync(*r.ex, [] { return native_tid(); }); },
+             "Run a no-op on the native thread; returns the kernel thread id it ran on.")
+        .def("ping_async", [](Runtime & r) { return run_async(*r.ex, [] { return native_tid(); }); })
+        .def("sleep_async", [](Runtime & r, double seconds) {
+                 return run_async(*r.ex, [seconds] {
+                     usleep(static_cast<useconds_t>(seconds * 1e6));
+                     return native_tid();
+                 });
+             }, "seconds"_a)
+        .def("close", [](Runtime & r) {
+                 nb::gil_scoped_release release;
+                 r.ex->shutdown();
+             }, "Finish queued work, free every native object, join the thread. Idempotent.");
+
+    // --- model ------------------------------------------------------------------------
+    nb::class_<GgufFacts>(m, "GgufFacts")
+        .def_ro("arch", &GgufFacts::arch)
+        .def_ro("block_count", &GgufFacts::block_count)
+        .def_ro("n_embd", &GgufFacts::n_embd)
+        .def_ro("target_layers", &GgufFacts::target_layers)
+        .def_ro("target_hidden_size", &GgufFacts::target_hidden_size)
+        .def_ro("mask_token_id", &GgufFacts::mask_token_id)
+        .def_ro("block_size", &GgufFacts::block_size);
+    m.def("preflight_gguf", [](Runtime & r, const std::string & path) {
+        return run_sync(*r.ex, [path] { return preflight_gguf(path); });
+    }, "runtime"_a, "path"_a, "Read and check a GGUF header without loading it.");
+
+    nb::class_<ModelInfo>(m, "ModelInfo")
+        .def_ro("path", &ModelInfo::path)
+        .def_ro("arch", &ModelInfo::arch)
+        .def_ro("description", &ModelInfo::description)
+        .def_ro("n_vocab", &ModelInfo::n_vocab)
+        .def_ro("n_embd", &ModelInfo::n_embd)
+        .def_ro("n_layer", &ModelInfo::n_layer)
+        .def_ro("n_layer_nextn", &ModelInfo::n_layer_nextn)
+        .def_ro("n_head", &ModelInfo::n_head)
+        .def_ro("n_head_kv", &ModelInfo::n_head_kv)
+        .def_ro("n_ctx_train", &ModelInfo::n_ctx_train)
+        .def_ro("n_params", &ModelInfo::n_params)
+        .def_ro("size", &ModelInfo::size)
+        .def_ro("file_size", &ModelInfo::file_size)
+        .def_ro("is_recurrent", &ModelInfo::is_recurrent)
+        .def_ro("is_hybrid", &ModelInfo::is_hybrid)
+        .def_ro("vocab_type", &ModelInfo::vocab_type)
+        .def_ro("bos", &ModelInfo::bos)
+        .def_ro("eos", &ModelInfo::eos)
+        .def_ro("eot", &ModelInfo::eot)
+        .def_ro("add_bos", &ModelInfo::add_bos)
+        .def_ro("eog_tokens", &ModelInfo::eog_tokens)
+        .def_ro("chat_template", &ModelInfo::chat_template)
+        .def_ro("metadata", &ModelInfo::metadata)
+        .def_ro("facts", &ModelInfo::facts);
+
+    nb::class_<ModelHandle>(m, "Model")
+        .def_static("load", [](Runtime & r, const std::string & path, int32_t n_gpu_layers, bool load_mtp,
+                               bool vocab_only) {
+                auto h = std::make_shared<ModelHandle>();
+                ModelParams mp;
+                mp.n_gpu_layers = n_gpu_layers;
+                mp.load_mtp = load_mtp;
+                mp.vocab_only = vocab_only;
+                auto ex = r.ex;
+                h->info = run_sync(*ex, [ex, h_raw = h.get(), path, mp] {
+                    auto model = std::make_shared<Model>(path, mp);
+                    h_raw->adopt(ex, model);
+                    return model->info();
+                });
+                return h;
+            }, "runtime"_a, "path"_a, "n_gpu_layers"_a = 0, "load_mtp"_a = false, "vocab_only"_a = false)
+        .def_prop_ro("info", [](const ModelHandle & h) { return h.info; })
+        .def("tokenize", [](ModelHandle & h, const std::string & text, bool add_special, bool parse_special) {
+                return run_sync(executor_of(h), [&h, text, add_special, parse_special] {
+                    return h.lock()->tokenize(text, add_special, parse_special);
+                });
+            }, "text"_a, "add_special"_a = true, "parse_special"_a = false)
+        .def("detokenize", [](ModelHandle & h, const std::vector<int32_t> & tokens, bool remove_special,
+                              bool unparse_special) {
+                std::string s = run_sync(executor_of(h), [&h, tokens, remove_special, unparse_special] {
+                    return h.lock()->detokenize(tokens, remove_special, unparse_special);
+                });
+                return nb::bytes(s.data(), s.size());
+            }, "tokens"_a, "remove_special"_a = false, "unparse_special"_a = false,
+            "Bytes, which may end inside a multi-byte UTF-8 character.")
+        .def("token_to_piece", [](ModelHandle & h, int32_t token, bool special) {
+                std::string s = run_sync(executor_of(h), [&h, token, special] {
+                    return h.lock()->token_to_piece(token, special);
+                });
+                return nb::bytes(s.data(), s.size());
+            }, "token"_a, "special"_a = false)
+        .def("apply_chat_template", [](ModelHandle & h, const std::vector<std::pair<std::string, std::string>> & msgs,
+                                       bool add_assistant, const std::string & tmpl) {
+                return run_sync(executor_of(h), [&h, msgs, add_assistant, tmpl] {
+                    return h.lock()->apply_chat_template(msgs, add_assistant, tmpl);
+                });
+            }, "messages"_a, "add_assistant"_a = true, "template"_a = "");
+
+    // --- context ------------------------------------------------------------------------
+    nb::enum_<ContextKind>(m, "ContextKind")
+        .value("DEFAULT", ContextKind::Default)
+        .value("MTP", ContextKind::Mtp);
+
+    nb::class_<ContextParams>(m, "ContextParams")
+        .def(nb::init<>())
+        .def_rw("n_ctx", &ContextParams::n_ctx)
+        .def_rw("n_batch", &ContextParams::n_batch)
+        .def_rw("n_ubatch", &ContextParams::n_ubatch)
+        .def_rw("n_seq", &ContextParams::n_seq)
+        .def_rw("n_rs_seq", &ContextParams::n_rs_seq)
+        .def_rw("n_outputs_max", &ContextParams::n_outputs_max)
+        .def_rw("n_outputs_max_per_seq", &ContextParams::n_outputs_max_per_seq)
+        .def_rw("n_threads", &ContextParams::n_threads)
+        .def_rw("kind", &ContextParams::kind)
+        .def_rw("embeddings", &ContextParams::embeddings)
+        .def_rw("kv_unified", &ContextParams::kv_unified);
+
+    nb::class_<ContextHandle>(m, "Context")
+        .def_static("create", [](std::shared_ptr<ModelHandle> model, const ContextParams & params,
+                                 std::shared_ptr<ContextHandle> other) {
+                auto h = std::make_shared<ContextHandle>();
+                auto ex = model->ex;
+                if (other && other->ex != ex) fail(ErrorKind::IncompatibleContexts, "contexts of different runtimes");
+                h->params = run_sync(*ex, [ex, h_raw = h.get(), m_raw = model.get(), o_raw = other.get(), params] {
+                    auto ctx = std::make_shared<Context>(m_raw->lock(), params, o_raw ? o_raw->lock() : nullptr);
+                    h_raw->adopt(ex, ctx);
+                    return ctx->params();
+                });
+                h->model_ref = model;
+                h->n_vocab = model->info.n_vocab;
+                h->n_embd = model->info.n_embd;
+                return h;
+            }, "model"_a, "params"_a, "other"_a = nullptr)
+        .def_prop_ro("params", [](const ContextHandle & h) { return h.params; })
+        .def_prop_ro("model", [](const ContextHandle & h) { return h.model_ref; })
+        .def("decode", [](ContextHandle & h, const std::vector<int32_t> & tokens, const std::vector<int32_t> & pos,
+                          const std::vector<int32_t> & seq, const std::vector<bool> & logits) {
+                BatchData b = make_batch(tokens, pos, seq, logits);
+                *h.out = Outputs{};
+                return run_sync(executor_of(h), [&h, b] {
+                    auto c = h.lock();
+                    const int32_t n = c->decode(b);
+                    after_decode(*h.out, *c);
+                    return n;
+                });
+            }, "tokens"_a, "pos"_a, "seq"_a, "logits"_a)
+        .def("decode_async", [](ContextHandle & h, const std::vector<int32_t> & tokens, const std::vector<int32_t> & pos,
+                                const std::vector<int32_t> & seq, const std::vector<bool> & logits) {
+                BatchData b = make_batch(tokens, pos, seq, logits);
+                *h.out = Outputs{};
+                return run_async(executor_of(h), [weak = h.weak, out = h.out, b] {
+                    auto c = lock_weak(weak);
+                    const int32_t n = c->decode(b);
+                    after_decode(*out, *c);
+                    return n;
+                });
+            }, "tokens"_a, "pos"_a, "seq"_a, "logits"_a)
+        .def_prop_ro("logits", [](nb::handle self) {
+                ContextHandle & h = nb::cast<ContextHandle &>(self);
+                if (h.out->logits == nullptr) fail(ErrorKind::InvalidArgument, "no logits: the last decode requested none");
+                return nb::ndarray<nb::numpy, const float, nb::ndim<2>>(
+                    h.out->logits, {static_cast<size_t>(h.out->n), static_cast<size_t>(h.n_vocab)}, self);
+            }, nb::rv_policy::reference_internal,
+            "Logits of the last decode's outputs, (n_outputs, n_vocab), a view without copy: valid until the next decode.")
+        .def_prop_ro("embeddings", [](nb::handle self) {
+                ContextHandle & h = nb::cast<ContextHandle &>(self);
+                if (h.out->embeddings == nullptr) fail(ErrorKind::InvalidArgument, "no embeddings: create the context with embeddings=True");
+                return nb::ndarray<nb::numpy, const float, nb::ndim<2>>(
+                    h.out->embeddings, {static_cast<size_t>(h.out->n), static_cast<size_t>(h.n_embd)}, self);
+            }, nb::rv_policy::reference_internal,
+            "Embeddings of the last decode's outputs, a view without copy: valid until the next decode.")
+        .def("kv_remove", [](ContextHandle & h, int64_t seq_id, int64_t p0, int64_t p1) {
+                return run_sync(executor_of(h), [&h, seq_id, p0, p1] { return h.lock()->kv_remove(seq_id, p0, p1); });
+            }, "seq_id"_a, "p0"_a = -1, "p1"_a = -1)
+        .def("seq_pos_max", [](ContextHandle & h, int32_t seq_id) {
+                return run_sync(executor_of(h), [&h, seq_id] { return h.lock()->seq_pos_max(seq_id); });
+            }, "seq_id"_a)
+        .def("seq_pos_min", [](ContextHandle & h, int32_t seq_id) {
+                return run_sync(executor_of(h), [&h, seq_id] { return h.lock()->seq_pos_min(seq_id); });
+            }, "seq_id"_a)
+        .def("can_seq_rm", [](ContextHandle & h) {
+                return run_sync(executor_of(h), [&h] { return h.lock()->can_seq_rm(); });
+            })
+        .def("state_seq_size", [](ContextHandle & h, int32_t seq_id, uint32_t flags) {
+                return run_sync(executor_of(h), [&h, seq_id, flags] { return h.lock()->state_seq_size(seq_id, flags); });
+            }, "seq_id"_a, "flags"_a = 0)
+        .def("state_seq_get", [](ContextHandle & h, int32_t seq_id, uint32_t flags) {
+                return to_bytes(run_sync(executor_of(h), [&h, seq_id, flags] {
+                    return h.lock()->state_seq_get(seq_id, flags);
+                }));
+            }, "seq_id"_a, "flags"_a = 0)
+        .def("state_seq_set", [](ContextHandle & h, nb::bytes data, int32_t seq_id, uint32_t flags) {
+                std::vector<uint8_t> v = to_vec(data);
+                return run_sync(executor_of(h), [&h, v, seq_id, flags] { return h.lock()->state_seq_set(v, seq_id, flags); });
+            }, "data"_a, "seq_id"_a, "flags"_a = 0);
+
+    // --- speculative session ------------------------------------------------------------
+    nb::class_<SpecConfig>(m, "SpecConfig")
+        .def(nb::init<>())
+        .def_rw("type", &SpecConfig::type)
+        .def_rw("n_seq", &SpecConfig::n_seq)
+        .def_rw("n_draft_max", &SpecConfig::n_draft_max)
+        .def_rw("n_min", &SpecConfig::n_min)
+        .def_rw("p_min", &SpecConfig::p_min)
+        .def_rw("backend_sampling", &SpecConfig::backend_sampling)
+        .def_rw("ngram_size_n", &SpecConfig::ngram_size_n)
+        .def_rw("ngram_size_m", &SpecConfig::ngram_size_m)
+        .def_rw("ngram_min_hits", &SpecConfig::ngram_min_hits);
+    m.def("validate_spec_config", &validate_spec_config, "config"_a);
+
+    nb::class_<SpecStats>(m, "SpecStats")
+        .def_ro("n_begin", &SpecStats::n_begin)
+        .def_ro("n_process", &SpecStats::n_process)
+        .def_ro("n_draft_calls", &SpecStats::n_draft_calls)
+        .def_ro("n_drafts", &SpecStats::n_drafts)
+        .def_ro("n_drafted", &SpecStats::n_drafted)
+        .def_ro("n_accept_calls", &SpecStats::n_accept_calls)
+        .def_ro("n_accepted", &SpecStats::n_accepted)
+        .def_ro("accepted_per_pos", &SpecStats::accepted_per_pos)
+        .def_ro("t_process_us", &SpecStats::t_process_us)
+        .def_ro("t_draft_us", &SpecStats::t_draft_us)
+        .def_ro("t_accept_us", &SpecStats::t_accept_us);
+
+    nb::class_<SessionHandle>(m, "SpecSession")
+        .def_static("create", [](nb::object target_obj, nb::object draft_obj, const SpecConfig & config) {
+                auto & target = nb::cast<ContextHandle &>(target_obj);
+                ContextHandle * draft = draft_obj.is_none() ? nullptr : &nb::cast<ContextHandle &>(draft_obj);
+                validate_spec_config(config);  // on this thread: no native work needed
+                auto h = std::make_shared<SessionHandle>();
+                auto ex = target.ex;
+                if (draft && draft->ex != ex) fail(ErrorKind::IncompatibleContexts, "contexts of different runtimes");
+                run_sync(*ex, [ex, h_raw = h.get(), t = &target, d = draft, config] {
+                    auto s = std::make_shared<SpecSession>(t->lock(), d ? d->lock() : nullptr, config);
+                    h_raw->adopt(ex, s);
+                });
+                h->config = config;
+                h->target_ref = target_obj;
+                h->draft_ref = draft_obj;
+                return h;
+            }, "target"_a, "draft"_a.none(), "config"_a)
+        .def_prop_ro("config", [](const SessionHandle & h) { return h.config; })
+        .def_prop_ro("target_context", [](const SessionHandle & h) { return h.target_ref; })
+        .def_prop_ro("draft_context", [](const SessionHandle & h) { return h.draft_ref; })
+        .def("need_embd", [](SessionHandle & h) { return run_sync(executor_of(h), [&h] { return h.lock()->need_embd(); }); })
+        .def("need_embd_pre_norm", [](SessionHandle & h) {
+                return run_sync(executor_of(h), [&h] { return h.lock()->need_embd_pre_norm(); });
+            })
+        .def("decode_target", [](SessionHandle & h, const std::vector<int32_t> & tokens, const std::vector<int32_t> & pos,
+                                 const std::vector<int32_t> & seq, const std::vector<bool> & logits, bool process) {
+                BatchData b = make_batch(tokens, pos, seq, logits);
+                ContextHandle & t = nb::cast<ContextHandle &>(h.target_ref);
+                *t.out = Outputs{};
+                run_sync(executor_of(h), [&h, out = t.out, b, process] {
+                    auto s = h.lock();
+                    s->decode_target(b);
+                    after_decode(*out, *s->target());
+                    if (process) s->process(b);
+                });
+            }, "tokens"_a, "pos"_a, "seq"_a, "logits"_a, "process"_a)
+        .def("process", [](SessionHandle & h, const std::vector<int32_t> & tokens, const std::vector<int32_t> & pos,
+                           const std::vector<int32_t> & seq, const std::vector<bool> & logits) {
+                BatchData b = make_batch(tokens, pos, seq, logits);
+                run_sync(executor_of(h), [&h, b] { h.lock()->process(b); });
+            }, "tokens"_a, "pos"_a, "seq"_a, "logits"_a)
+        .def("begin", [](SessionHandle & h, int32_t seq_id, const std::vector<int32_t> & prompt) {
+                run_sync(executor_of(h), [&h, seq_id, prompt] { h.lock()->begin(seq_id, prompt); });
+            }, "seq_id"_a, "prompt"_a)
+        .def("draft", [](SessionHandle & h, int32_t seq_id, int32_t n_past, int32_t id_last) {
+                return run_sync(executor_of(h), [&h, seq_id, n_past, id_last] {
+                    return h.lock()->draft(seq_id, n_past, id_last);
+                });
+            }, "seq_id"_a, "n_past"_a, "id_last"_a)
+        .def("draft_many", [](SessionHandle & h, const std::vector<std::vector<int32_t>> & requests) {
+                std::vector<DraftRequest> rs;
+                for (const auto & r : requests) {
+                    if (r.size() != 3 && r.size() != 4) fail(ErrorKind::InvalidArgument, "draft request must be (seq_id, n_past, id_last[, n_max])");
+                    rs.push_back({r[0], r[1], r[2], r.size() == 4 ? r[3] : -1});
+                }
+                return run_sync(executor_of(h), [&h, rs] { return h.lock()->draft_many(rs); });
+            }, "requests"_a)
+        .def("accept", [](SessionHandle & h, int32_t seq_id, int64_t n_accepted) {
+                run_sync(executor_of(h), [&h, seq_id, n_accepted] { h.lock()->accept(seq_id, n_accepted); });
+            }, "seq_id"_a, "n_accepted"_a)
+        .def("is_quiescent", [](SessionHandle & h) { return run_sync(executor_of(h), [&h] { return h.lock()->is_quiescent(); }); })
+        .def("pending", [](SessionHandle & h, int32_t seq_id) {
+                return run_sync(executor_of(h), [&h, seq_id] { return h.lock()->pending(seq_id); });
+            }, "seq_id"_a)
+        .def("print_stats", [](SessionHandle & h) { run_sync(executor_of(h), [&h] { h.lock()->print_stats(); }); })
+        .def("stats", [](SessionHandle & h) { return run_sync(executor_of(h), [&h] { return h.lock()->stats(); }); })
+        .def("history", [](SessionHandle & h, int32_t seq_id) {
+                return run_sync(executor_of(h), [&h, seq_id] {
+                    auto s = h.lock();
+                    s->check_seq(seq_id);
+                    return s->history(seq_id);
+                });
+            }, "seq_id"_a)
+        .def("speculative_state", [](SessionHandle & h, int32_t seq_id) {
+                return to_bytes(run_sync(executor_of(h), [&h, seq_id] { return h.lock()->speculative_state(seq_id); }));
+            }, "seq_id"_a)
+        .def("restore_speculative_state", [](SessionHandle & h, int32_t seq_id, nb::bytes state) {
+                std::vector<uint8_t> v = to_vec(state);
+                run_sync(executor_of(h), [&h, seq_id, v] { h.lock()->restore_speculative_state(seq_id, v); });
+            }, "seq_id"_a, "state"_a)
+        .def("clear_target_kv", [](SessionHandle & h, int64_t seq_id, int64_t p0, int64_t p1) {
+                return run_sync(executor_of(h), [&h, seq_id, p0, p1] { return h.lock()->clear_target_kv(seq_id, p0, p1); });
+            }, "seq_id"_a = -1, "p0"_a = -1, "p1"_a = -1)
+        .def("clear_draft_kv", [](SessionHandle & h, int64_t seq_id, int64_t p0, int64_t p1) {
+                return run_sync(executor_of(h), [&h, seq_id, p0, p1] { return h.lock()->clear_draft_kv(seq_id, p0, p1); });
+            }, "seq_id"_a = -1, "p0"_a = -1, "p1"_a = -1);
+}

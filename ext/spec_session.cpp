@@ -1,0 +1,518 @@
+#include "spec_session.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+
+namespace engine {
+
+namespace {
+
+int64_t now_us() {
+    return std::chrono::duration_cast<std::chrono::microseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+}
+
+const char * const kTypes[] = {"none",         "draft-simple", "draft-eagle3",  "draft-dflash",
+                               "draft-dspark", "draft-mtp",    "ngram-simple",  "ngram-map-k",
+                               "ngram-map-k4v", "ngram-mod",   "ngram-cache"};
+
+[[noreturn]] void incompatible(const std::string & why) {
+    fail(ErrorKind::IncompatibleContexts, "incompatible contexts: " + why);
+}
+
+// --- the speculative-state container -------------------------------------------------
+// magic, version, a digest of the session config, the token history, upstream's opaque
+// per-sequence state, and a CRC-32 over everything before it.
+constexpr char kStateMagic[4] = {'E', 'S', 'P', 'S'};
+constexpr uint32_t kStateVersion = 1;
+constexpr size_t kStateMaxBytes = size_t(1) << 30;
+
+uint32_t crc32(const uint8_t * data, size_t n) {
+    uint32_t crc = 0xFFFFFFFFu;
+    for (size_t i = 0; i < n; ++i) {
+        crc ^= data[i];
+        for (int k = 0; k < 8; ++k) {
+            crc = (crc >> 1) ^ (0xEDB88320u & (0u - (crc & 1u)));
+        }
+    }
+    return ~crc;
+}
+
+uint32_t config_digest(const SpecConfig & c) {
+    std::string key = c.type + "|" + std::to_string(c.n_draft_max) + "|" + std::to_string(c.n_min) + "|" +
+                      std::to_string(c.ngram_size_n) + "|" + std::to_string(c.ngram_size_m);
+    return crc32(reinterpret_cast<const uint8_t *>(key.data()), key.size());
+}
+
+struct Writer {
+    std::vector<uint8_t> out;
+    void bytes(const void * p, size_t n) {
+        const auto * b = static_cast<const uint8_t *>(p);
+        out.insert(out.end(), b, b + n);
+    }
+    void u32(uint32_t v) { bytes(&v, 4); }
+};
+
+struct Reader {
+    const std::vector<uint8_t> & in;
+    size_t at = 0;
+    void need(size_t n) const {
+        if (n > in.size() - at) {
+            fail(ErrorKind::State, "speculative state is truncated");
+        }
+    }
+    uint32_t u32() {
+        need(4);
+        uint32_t v;
+        std::memcpy(&v, in.data() + at, 4);
+        at += 4;
+        return v;
+    }
+    const uint8_t * take(size_t n) {
+        need(n);
+        const uint8_t * p = in.data() + at;
+        at += n;
+        return p;
+    }
+};
+
+}  // namespace
+
+bool spec_type_needs_draft_model(const std::string & t) {
+    return t == "draft-simple" || t == "draft-eagle3" || t == "draft-dflash" || t == "draft-dspark";
+}
+
+bool spec_type_is_mtp(const std::string & t) { return t == "draft-mtp"; }
+
+static bool spec_type_harvests_hidden(const std::string & t) {
+    return t == "draft-eagle3" || t == "draft-dflash" || t == "draft-dspark" || t == "draft-mtp";
+}
+
+void validate_spec_config(const SpecConfig & c) {
+    auto bad = [](const std::string & why) { fail(ErrorKind::InvalidConfig, "invalid speculative config: " + why); };
+    if (std::find(std::begin(kTypes), std::end(kTypes), c.type) == std::end(kTypes)) {
+        std::string all;
+        for (const char * t : kTypes) all += std::string(all.empty() ? "" : ", ") + t;
+        bad("unknown speculative type '" + c.type + "' (known: " + all + ")");
+    }
+    if (c.n_seq < 1 || c.n_seq > 256) bad("n_seq must be in [1, 256], got " + std::to_string(c.n_seq));
+    if (c.n_draft_max <= 0) bad("n_draft_max must be > 0, got " + std::to_string(c.n_draft_max));
+    if (c.n_draft_max > 1024) bad("n_draft_max must be <= 1024, got " + std::to_string(c.n_draft_max));
+    if (c.n_min < 0 || c.n_min > c.n_draft_max) {
+        bad("n_min must be in [0, n_draft_max=" + std::to_string(c.n_draft_max) + "], got " + std::to_string(c.n_min));
+    }
+    if (!(c.p_min >= 0.0f && c.p_min <= 1.0f)) bad("p_min must be in [0, 1]");
+    if (c.ngram_size_n < 1 || c.ngram_size_n > 1024) bad("ngram_size_n must be in [1, 1024]");
+    if (c.ngram_size_m < 1 || c.ngram_size_m > 1024) bad("ngram_size_m must be in [1, 1024]");
+    if (c.ngram_min_hits < 1 || c.ngram_min_hits > 65535) bad("ngram_min_hits must be in [1, 65535]");
+}
+
+SpecSession::SpecSession(std::shared_ptr<Context> target, std::shared_ptr<Context> draft, const SpecConfig & config)
+    : target_(std::move(target)), draft_(std::move(draft)), config_(config) {
+    validate_spec_config(config_);  // config first: a bad config is InvalidConfig, not a context mismatch
+    validate_contexts();
+
+    pending_.assign(config_.n_seq, -1);
+    history_.assign(config_.n_seq, {});
+    results_.assign(config_.n_seq, {});
+    if (config_.type == "none") {
+        return;
+    }
+    common_params_speculative params;
+    params.types = {common_speculative_type_from_name(config_.type)};
+    params.draft.n_max = config_.n_draft_max;
+    params.draft.n_min = config_.n_min;
+    params.draft.p_min = config_.p_min;
+    params.draft.backend_sampling = config_.backend_sampling;
+    params.draft.ctx_tgt = target_->get();
+    params.draft.ctx_dft = draft_ ? draft_->get() : nullptr;
+    for (auto * ng : {&params.ngram_simple, &params.ngram_map_k, &params.ngram_map_k4v}) {
+        ng->size_n = static_cast<uint16_t>(config_.ngram_size_n);
+        ng->size_m = static_cast<uint16_t>(config_.ngram_size_m);
+        ng->min_hits = static_cast<uint16_t>(config_.ngram_min_hits);
+    }
+    try {
+        spec_ = common_speculative_init(params, config_.n_seq);
+    } catch (const std::exception & e) {
+        fail(ErrorKind::Init, std::string("speculative session init failed: ") + e.what());
+    }
+    if (spec_ == nullptr) {
+        fail(ErrorKind::Init, "speculative session init failed for type '" + config_.type + "'");
+    }
+}
+
+SpecSession::~SpecSession() {
+    common_speculative_free(spec_);
+}
+
+void SpecSession::validate_contexts() {
+    const ContextParams & tp = target_->params();
+    const ModelInfo & tm = target_->model()->info();
+    const std::string & type = config_.type;
+    const int32_t need = config_.n_draft_max + 1;  // [id_last, d1..dk] of one sequence
+
+    if (tp.kind != ContextKind::Default) incompatible("the target must be a Default context");
+    if (tp.n_seq < config_.n_seq) {
+        incompatible("the target context holds " + std::to_string(tp.n_seq) + " sequences, fewer than n_seq " +
+                     std::to_string(config_.n_seq));
+    }
+    if (type != "none") {
+        if (static_cast<int64_t>(tp.n_batch) < need) {
+            incompatible("target n_batch " + std::to_string(tp.n_batch) + " < n_draft_max + 1 = " + std::to_string(need));
+        }
+        if (static_cast<int64_t>(tp.n_outputs_max_per_seq) < need) {
+            incompatible("the target context allows " + std::to_string(tp.n_outputs_max_per_seq) +
+                         " outputs per sequence, fewer than n_draft_max + 1 = " + std::to_string(need));
+        }
+        if ((tm.is_recurrent || tm.is_hybrid) && static_cast<int64_t>(tp.n_rs_seq) < config_.n_draft_max) {
+            incompatible("the target is recurrent/hybrid and keeps " + std::to_string(tp.n_rs_seq) +
+                         " recurrent snapshots per sequence, fewer than n_draft_max " +
+                         std::to_string(config_.n_draft_max) + " (rejected drafts could not be rolled back)");
+        }
+    }
+
+    const bool needs_draft = spec_type_needs_draft_model(type) || spec_type_is_mtp(type);
+    if (!needs_draft) {
+        if (draft_) incompatible("speculative type '" + type + "' uses no draft context");
+        return;
+    }
+    if (!draft_) incompatible("speculative type '" + type + "' needs a draft context");
+    const ContextParams & dp = draft_->params();
+    const ModelInfo & dm = draft_->model()->info();
+    if (dp.n_seq != config_.n_seq) {
+        incompatible("the draft context holds " + std::to_string(dp.n_seq) + " sequences; it must equal n_seq " +
+                     std::to_string(config_.n_seq));
+    }
+    if (static_cast<int64_t>(dp.n_batch) < need) {
+        incompatible("draft n_batch " + std::to_string(dp.n_batch) + " < n_draft_max + 1 = " + std::to_string(need));
+    }
+    if (spec_type_is_mtp(type)) {
+        if (dp.kind != ContextKind::Mtp) incompatible("MTP drafting needs an MTP draft context");
+        if (draft_->model() != target_->model()) incompatible("the MTP context must be over the target model");
+        if (tm.n_layer_nextn <= 0) fail(ErrorKind::Init, "the target model has no NextN/MTP layers");
+        return;
+    }
+    if (dp.kind != ContextKind::Default) incompatible("target and draft must both be Default contexts");
+    if (draft_->model() == target_->model() && type != "draft-simple") {
+        incompatible("the " + type + " draft must be a separate draft model");
+    }
+    if (const std::string why = vocab_mismatch(*target_->model(), *draft_->model()); !why.empty()) {
+        incompatible("the draft vocabulary differs from the target's: " + why);
+    }
+    if (type == "draft-simple") {
+        if (dm.arch == "eagle3" || dm.arch == "dflash" || dm.arch == "dspark") {
+            incompatible("'" + dm.arch + "' drafts need speculative type draft-" + dm.arch + ", not draft-simple");
+        }
+        return;
+    }
+    if (draft_->other() != target_) {
+        incompatible("the " + type + " draft context must be created with the target context as its other context");
+    }
+    const auto & layers = dm.facts.target_layers;
+    if (type == "draft-eagle3") {
+        if (dm.arch != "eagle3") fail(ErrorKind::Init, "the draft model is not an EAGLE-3 model (architecture '" + dm.arch + "')");
+        const bool terminal_nextn = tm.arch == "gpt-oss";
+        bool ok = layers.size() == 3 && tm.n_layer > 0;
+        for (int64_t l : layers) {
+            ok = ok && l >= 0 && (l < tm.n_layer || (l == tm.n_layer && terminal_nextn));
+        }
+        if (!ok) incompatible("draft must name exactly three supported target extraction sites");
+        if (dm.facts.target_hidden_size != tm.n_embd) {
+            incompatible("eagle3.target_hidden_size " + std::to_string(dm.facts.target_hidden_size) +
+                         " differs from the target's embedding size " + std::to_string(tm.n_embd));
+        }
+        return;
+    }
+    // DFlash / DSpark
+    if (dm.arch != "dflash" && dm.arch != "dspark") {
+        fail(ErrorKind::Init, "the draft model is not a DFlash model (architecture '" + dm.arch + "')");
+    }
+    for (int64_t l : layers) {
+        if (l >= tm.n_layer) {
+            incompatible("DFlash target layer " + std::to_string(l) + " is not below the target's " +
+                         std::to_string(tm.n_layer) + " layers");
+        }
+    }
+    if (dm.n_embd != tm.n_embd) {
+        incompatible("the DFlash draft's embedding size " + std::to_string(dm.n_embd) + " differs from the target's " +
+                     std::to_string(tm.n_embd));
+    }
+}
+
+bool SpecSession::need_embd_pre_norm() const { return spec_type_harvests_hidden(config_.type); }
+
+void SpecSession::check_seq(int64_t seq_id) const {
+    if (seq_id < 0 || seq_id >= static_cast<int64_t>(config_.n_seq)) {
+        fail_bad_seq(seq_id, config_.n_seq);
+    }
+}
+
+void SpecSession::require_quiescent() const {
+    for (size_t s = 0; s < pending_.size(); ++s) {
+        if (pending_[s] >= 0) {
+            Error e(ErrorKind::ProposalPending, "sequence " + std::to_string(s) + " still has an unaccepted draft proposal");
+            e.seq_id = static_cast<int64_t>(s);
+            throw e;
+        }
+    }
+}
+
+bool SpecSession::is_quiescent() const {
+    return std::all_of(pending_.begin(), pending_.end(), [](int32_t p) { return p < 0; });
+}
+
+std::optional<int32_t> SpecSession::pending(int32_t seq_id) const {
+    check_seq(seq_id);
+    if (pending_[seq_id] < 0) return std::nullopt;
+    return pending_[seq_id];
+}
+
+void SpecSession::record_history(const BatchData & batch) {
+    for (size_t i = 0; i < batch.size(); ++i) {
+        const int32_t s = batch.seq[i];
+        if (s < 0 || s >= static_cast<int32_t>(config_.n_seq)) {
+            continue;  // a sequence the target holds beyond the session's n_seq
+        }
+        auto & h = history_[s];
+        const size_t p = static_cast<size_t>(batch.pos[i]);
+        if (h.size() > p) h.resize(p);
+        if (h.size() < p) h.resize(p, 0);  // positions the session never saw (unknown tokens)
+        h.push_back(batch.tokens[i]);
+    }
+}
+
+void SpecSession::decode_target(const BatchData & batch) {
+    target_->decode(batch);
+}
+
+void SpecSession::process(const BatchData & batch) {
+    target_->validate_batch(batch);
+    record_history(batch);
+    ++stats_.n_process;
+    if (spec_ == nullptr) return;
+    const int64_t t0 = now_us();
+    bool ok = false;
+    try {
+        common_batch cb = target_->to_common_batch(batch);
+        ok = common_speculative_process(spec_, cb);
+    } catch (const std::exception & e) {
+        fail(ErrorKind::Process, std::string("speculative process failed: ") + e.what());
+    }
+    stats_.t_process_us += now_us() - t0;
+    if (!ok) fail(ErrorKind::Process, "speculative process failed (see the llama.cpp log)");
+}
+
+void SpecSession::begin(int32_t seq_id, const std::vector<llama_token> & prompt) {
+    check_seq(seq_id);
+    require_quiescent();
+    const size_t maximum = target_->params().n_ctx;
+    if (prompt.size() > maximum) {
+        Error e(ErrorKind::PromptTooLong, "prompt has " + std::to_string(prompt.size()) + " tokens, exceeding the " +
+                                              std::to_string(maximum) + "-token bound");
+        e.size = static_cast<int64_t>(prompt.size());
+        e.maximum = static_cast<int64_t>(maximum);
+        throw e;
+    }
+    target_->model()->check_tokens(prompt, "begin");
+    history_[seq_id] = prompt;
+    ++stats_.n_begin;
+    if (spec_ == nullptr) return;
+    try {
+        common_speculative_begin(spec_, seq_id, prompt);
+    } catch (const std::exception & e) {
+        fail(ErrorKind::Begin, std::string("speculative begin failed: ") + e.what());
+    }
+}
+
+std::vector<llama_token> SpecSession::draft(int32_t seq_id, int32_t n_past, llama_token id_last) {
+    return draft_many({DraftRequest{seq_id, n_past, id_last, -1}}).front();
+}
+
+std::vector<std::vector<llama_token>> SpecSession::draft_many(const std::vector<DraftRequest> & requests) {
+    const uint32_t n_ctx = target_->params().n_ctx;
+    std::vector<bool> seen(config_.n_seq, false);
+    for (const DraftRequest & r : requests) {  // validate all before touching anything
+        check_seq(r.seq_id);
+        if (seen[r.seq_id]) fail(ErrorKind::InvalidArgument, "sequence " + std::to_string(r.seq_id) + " appears twice");
+        seen[r.seq_id] = true;
+        if (pending_[r.seq_id] >= 0) {
+            Error e(ErrorKind::ProposalPending, "sequence " + std::to_string(r.seq_id) + " still has an unaccepted draft proposal");
+            e.seq_id = r.seq_id;
+            throw e;
+        }
+        if (r.n_past < 0 || static_cast<uint32_t>(r.n_past) >= n_ctx) {
+            fail(ErrorKind::InvalidArgument, "n_past " + std::to_string(r.n_past) + " is outside [0, n_ctx=" +
+                                                 std::to_string(n_ctx) + ")");
+        }
+        if (static_cast<size_t>(r.n_past) > history_[r.seq_id].size()) {
+            fail(ErrorKind::Draft, "sequence " + std::to_string(r.seq_id) + ": n_past " + std::to_string(r.n_past) +
+                                       " exceeds the " + std::to_string(history_[r.seq_id].size()) +
+                                       " tokens processed for it");
+        }
+        target_->model()->check_tokens({r.id_last}, "draft id_last");
+    }
+    std::vector<std::vector<llama_token>> out(requests.size());
+    if (spec_ == nullptr) return out;
+
+    bool any = false;
+    for (const DraftRequest & r : requests) {
+        // never draft past the end of the context: [id_last, d1..dk] must fit
+        int32_t n_max = r.n_max < 0 ? config_.n_draft_max : std::min(r.n_max, config_.n_draft_max);
+        n_max = std::min<int32_t>(n_max, static_cast<int32_t>(n_ctx) - r.n_past - 2);
+        auto & h = history_[r.seq_id];
+        h.resize(static_cast<size_t>(r.n_past));
+        results_[r.seq_id].clear();
+        if (n_max <= 0) continue;
+        common_speculative_get_draft_params(spec_, r.seq_id) = {
+            /* .drafting = */ true,
+            /* .n_max    = */ n_max,
+            /* .pos0     = */ r.n_past,
+            /* .id_last  = */ r.id_last,
+            /* .prompt   = */ &h,
+            /* .result   = */ &results_[r.seq_id],
+        };
+        any = true;
+    }
+    if (!any) return out;
+    const int64_t t0 = now_us();
+    try {
+        common_speculative_draft(spec_);
+    } catch (const std::exception & e) {
+        for (const DraftRequest & r : requests) {
+            common_speculative_get_draft_params(spec_, r.seq_id).drafting = false;
+            results_[r.seq_id].clear();
+        }
+        fail(ErrorKind::Draft, std::string("speculative draft failed: ") + e.what());
+    }
+    stats_.t_draft_us += now_us() - t0;
+    ++stats_.n_draft_calls;
+    for (size_t i = 0; i < requests.size(); ++i) {
+        const int32_t s = requests[i].seq_id;
+        out[i] = std::move(results_[s]);
+        results_[s].clear();
+        if (!out[i].empty()) {
+            pending_[s] = static_cast<int32_t>(out[i].size());
+            ++stats_.n_drafts;
+            stats_.n_drafted += out[i].size();
+        }
+    }
+    return out;
+}
+
+void SpecSession::accept(int32_t seq_id, int64_t n_accepted) {
+    check_seq(seq_id);
+    if (pending_[seq_id] < 0) {
+        Error e(ErrorKind::NoPendingProposal, "sequence " + std::to_string(seq_id) + " has no draft proposal to accept");
+        e.seq_id = seq_id;
+        throw e;
+    }
+    if (n_accepted < 0 || n_accepted > pending_[seq_id]) {
+        Error e(ErrorKind::AcceptedTooMany, "accepted " + std::to_string(n_accepted) + " tokens from a " +
+                                                std::to_string(pending_[seq_id]) + "-token proposal");
+        e.seq_id = seq_id;
+        e.accepted = n_accepted;
+        e.proposed = pending_[seq_id];
+        throw e;
+    }
+    const int64_t t0 = now_us();
+    try {
+        common_speculative_accept(spec_, seq_id, static_cast<uint16_t>(n_accepted));
+    } catch (const std::exception & e) {
+        fail(ErrorKind::Accept, std::string("speculative accept failed: ") + e.what());
+    }
+    stats_.t_accept_us += now_us() - t0;
+    pending_[seq_id] = -1;
+    ++stats_.n_accept_calls;
+    stats_.n_accepted += static_cast<uint64_t>(n_accepted);
+    if (stats_.accepted_per_pos.size() < static_cast<size_t>(n_accepted)) {
+        stats_.accepted_per_pos.resize(static_cast<size_t>(n_accepted), 0);
+    }
+    for (int64_t i = 0; i < n_accepted; ++i) {
+        ++stats_.accepted_per_pos[static_cast<size_t>(i)];
+    }
+}
+
+void SpecSession::print_stats() const {
+    common_speculative_print_stats(spec_);
+}
+
+std::vector<uint8_t> SpecSession::speculative_state(int32_t seq_id) {
+    check_seq(seq_id);
+    require_quiescent();
+    std::vector<uint8_t> payload;
+    bool has_payload = false;
+    if (spec_ != nullptr) {
+        try {
+            has_payload = common_speculative_get_state(spec_, seq_id, payload);
+        } catch (const std::exception & e) {
+            fail(ErrorKind::State, std::string("speculative state capture failed: ") + e.what());
+        }
+    }
+    const auto & h = history_[seq_id];
+    Writer w;
+    w.bytes(kStateMagic, 4);
+    w.u32(kStateVersion);
+    w.u32(config_digest(config_));
+    w.u32(static_cast<uint32_t>(h.size()));
+    w.bytes(h.data(), h.size() * sizeof(llama_token));
+    w.u32(has_payload ? 1u : 0u);
+    w.u32(static_cast<uint32_t>(payload.size()));
+    w.bytes(payload.data(), payload.size());
+    w.u32(crc32(w.out.data(), w.out.size()));
+    if (w.out.size() > kStateMaxBytes) fail(ErrorKind::State, "speculative state exceeds the size bound");
+    return std::move(w.out);
+}
+
+void SpecSession::restore_speculative_state(int32_t seq_id, const std::vector<uint8_t> & state) {
+    check_seq(seq_id);
+    require_quiescent();
+    if (state.size() > kStateMaxBytes) fail(ErrorKind::State, "speculative state exceeds the size bound");
+    if (state.size() < 4 + 4 * 6 || std::memcmp(state.data(), kStateMagic, 4) != 0) {
+        fail(ErrorKind::State, "not a speculative state (bad magic or too short)");
+    }
+    uint32_t stored_crc;
+    std::memcpy(&stored_crc, state.data() + state.size() - 4, 4);
+    if (crc32(state.data(), state.size() - 4) != stored_crc) fail(ErrorKind::State, "speculative state checksum mismatch");
+    Reader r{state, 4};
+    if (r.u32() != kStateVersion) fail(ErrorKind::State, "unsupported speculative state version");
+    if (r.u32() != config_digest(config_)) fail(ErrorKind::State, "speculative state was taken with another speculative config");
+    const uint32_t n_hist = r.u32();
+    if (n_hist > target_->params().n_ctx) fail(ErrorKind::State, "speculative state history exceeds n_ctx");
+    std::vector<llama_token> hist(n_hist);
+    std::memcpy(hist.data(), r.take(size_t(n_hist) * sizeof(llama_token)), size_t(n_hist) * sizeof(llama_token));
+    target_->model()->check_tokens(hist, "speculative state history");
+    const bool has_payload = r.u32() != 0;
+    const uint32_t n_payload = r.u32();
+    const uint8_t * p = r.take(n_payload);
+    std::vector<uint8_t> payload(p, p + n_payload);
+    if (r.at + 4 != state.size()) fail(ErrorKind::State, "speculative state has trailing bytes");
+    if (has_payload && spec_ != nullptr) {
+        try {
+            common_speculative_set_state(spec_, seq_id, payload);
+        } catch (const std::exception & e) {
+            fail(ErrorKind::State, std::string("speculative state restore failed: ") + e.what());
+        }
+    }
+    history_[seq_id] = std::move(hist);
+}
+
+bool SpecSession::clear_target_kv(int64_t seq_id, int64_t p0, int64_t p1) {
+    const bool ok = target_->kv_remove(seq_id, p0, p1);
+    if (ok && p1 < 0) {
+        const size_t keep = static_cast<size_t>(std::max<int64_t>(p0, 0));
+        for (size_t s = 0; s < history_.size(); ++s) {
+            if ((seq_id < 0 || static_cast<size_t>(seq_id) == s) && history_[s].size() > keep) history_[s].resize(keep);
+        }
+    }
+    return ok;
+}
+
+bool SpecSession::clear_draft_kv(int64_t seq_id, int64_t p0, int64_t p1) {
+    if (!draft_) fail(ErrorKind::InvalidArgument, "this session has no draft context");
+    return draft_->kv_remove(seq_id, p0, p1);
+}
+
+}  // namespace engine
