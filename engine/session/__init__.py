@@ -1,0 +1,32 @@
+"""engine.session: the low-level speculative session (parity with the seed API).
+
+Everything here is synchronous and runs on one native thread per :class:`Runtime`; the
+scheduler (``engine.scheduler``) builds the async engine on top.
+"""
+
+from __future__ import annotations
+
+from .checkpoint import SequenceCheckpoint
+from .config import SPEC_TYPES, ContextConfig, SpeculativeConfig, canonical_spec_type
+from .errors import *  # noqa: F403
+from .errors import __all__ as _errors_all
+from .model import STATE_SEQ_FLAGS_PARTIAL_ONLY, Batch, Context, Model, ModelInfo
+from .runtime import Runtime
+from .session import SpeculativeSession, SpecStats
+
+__all__ = [
+    "SPEC_TYPES",
+    "STATE_SEQ_FLAGS_PARTIAL_ONLY",
+    "Batch",
+    "Context",
+    "ContextConfig",
+    "Model",
+    "ModelInfo",
+    "Runtime",
+    "SequenceCheckpoint",
+    "SpecStats",
+    "SpeculativeConfig",
+    "SpeculativeSession",
+    "canonical_spec_type",
+    *_errors_all,
+]

@@ -1,0 +1,159 @@
+"""Configuration of contexts and speculative sessions, validated on construction."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .. import _nb_spec
+from .errors import InvalidConfigError
+
+__all__ = [
+    "SPEC_TYPES",
+    "ContextConfig",
+    "SpeculativeConfig",
+    "canonical_spec_type",
+]
+
+#: upstream speculative type names, and the short names we also accept
+SPEC_TYPES: tuple[str, ...] = (
+    "none",
+    "draft-simple",
+    "draft-eagle3",
+    "draft-dflash",
+    "draft-dspark",
+    "draft-mtp",
+    "ngram-simple",
+    "ngram-map-k",
+    "ngram-map-k4v",
+    "ngram-mod",
+    "ngram-cache",
+)
+_ALIASES = {
+    "draft": "draft-simple",
+    "eagle3": "draft-eagle3",
+    "dflash": "draft-dflash",
+    "dspark": "draft-dspark",
+    "mtp": "draft-mtp",
+    "ngram": "ngram-simple",
+}
+
+
+def canonical_spec_type(name: str) -> str:
+    """Map a speculative type name or alias (``eagle3``, ``mtp``...) to upstream's name.
+
+    :raises InvalidConfigError: for an unknown name.
+    """
+    t = _ALIASES.get(name, name)
+    if t not in SPEC_TYPES:
+        known = ", ".join(SPEC_TYPES + tuple(_ALIASES))
+        raise InvalidConfigError(
+            f"unknown speculative type {name!r} (known: {known})", reason="unknown speculative type"
+        )
+    return t
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise InvalidConfigError(message, reason=message)
+
+
+@dataclass(frozen=True)
+class ContextConfig:
+    """Size and threading of a llama.cpp context.
+
+    ``n_ctx`` is shared by all ``n_seq`` sequences (each gets ``n_ctx // n_seq`` cells).
+    """
+
+    n_ctx: int = 4096
+    n_seq: int = 1
+    n_batch: int = 512
+    n_ubatch: int = 512
+    threads: int = 0  #: 0 = all cores
+    embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        _check(1 <= self.n_seq <= 256, f"n_seq must be in [1, 256], got {self.n_seq}")
+        _check(self.n_ctx >= 1, f"n_ctx must be positive, got {self.n_ctx}")
+        _check(
+            self.n_ctx >= self.n_seq,
+            f"n_ctx {self.n_ctx} is too small for n_seq {self.n_seq}",
+        )
+        _check(self.n_batch >= 1, f"n_batch must be positive, got {self.n_batch}")
+        _check(
+            1 <= self.n_ubatch <= self.n_batch,
+            f"n_ubatch must be in [1, n_batch={self.n_batch}], got {self.n_ubatch}",
+        )
+        _check(self.threads >= 0, f"threads must be >= 0 (0 = all cores), got {self.threads}")
+
+    @property
+    def n_ctx_seq(self) -> int:
+        """Cells each sequence can hold."""
+        return self.n_ctx // self.n_seq
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """What to draft with and how much. Defaults are upstream's (n_max 3, n_min 0, p_min 0).
+
+    ``type`` is an upstream name (``draft-eagle3``...) or an alias (``eagle3``, ``dflash``,
+    ``mtp``, ``draft``, ``ngram``).
+    """
+
+    type: str = "none"
+    n_seq: int = 1
+    n_draft_max: int = 3
+    n_min: int = 0
+    p_min: float = 0.0
+    #: draft-side sampling on the backend (upstream default: on)
+    backend_sampling: bool = True
+    #: n-gram drafters: key length and draft length (upstream defaults 12 / 48)
+    ngram_size_n: int = 12
+    ngram_size_m: int = 48
+    ngram_min_hits: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "type", canonical_spec_type(self.type))
+        _check(
+            isinstance(self.n_seq, int) and 1 <= self.n_seq <= 256,
+            f"n_seq must be in [1, 256], got {self.n_seq!r}",
+        )
+        for name in ("n_draft_max", "n_min", "ngram_size_n", "ngram_size_m", "ngram_min_hits"):
+            value = getattr(self, name)
+            _check(
+                isinstance(value, int) and -(2**31) <= value < 2**31,
+                f"{name} must be a 32-bit integer, got {value!r}",
+            )
+        _check(
+            isinstance(self.p_min, (int, float)) and not math.isnan(self.p_min),
+            "p_min must be a number",
+        )
+        # one set of rules: the native validator (InvalidConfigError with the reason)
+        _nb_spec.validate_spec_config(self.native())
+
+    def native(self) -> _nb_spec.SpecConfig:
+        c = _nb_spec.SpecConfig()
+        c.type = self.type
+        c.n_seq = self.n_seq
+        c.n_draft_max = self.n_draft_max
+        c.n_min = self.n_min
+        c.p_min = float(self.p_min)
+        c.backend_sampling = self.backend_sampling
+        c.ngram_size_n = self.ngram_size_n
+        c.ngram_size_m = self.ngram_size_m
+        c.ngram_min_hits = self.ngram_min_hits
+        return c
+
+    @property
+    def needs_draft_model(self) -> bool:
+        """A separate draft model file is needed (draft-simple, EAGLE-3, DFlash, DSpark)."""
+        return self.type in ("draft-simple", "draft-eagle3", "draft-dflash", "draft-dspark")
+
+    @property
+    def is_mtp(self) -> bool:
+        return self.type == "draft-mtp"
+
+    @property
+    def is_block_draft(self) -> bool:
+        """DFlash-style drafts decode a whole block per sequence in one pass."""
+        return self.type in ("draft-dflash", "draft-dspark")
