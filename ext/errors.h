@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <stdexcept>
 #include <string>
 
@@ -33,13 +34,7 @@ enum class ErrorKind {
 struct Error : std::runtime_error {
     ErrorKind kind;
     std::string reason;
-    int64_t seq_id = -1;
-    int64_t n_seq = -1;
-    int64_t size = -1;
-    int64_t maximum = -1;
-    int64_t accepted = -1;
-    int64_t proposed = -1;
-    int64_t code = 0;
+    std::optional<int64_t> seq_id, n_seq, size, maximum, accepted, proposed, code;
 
     Error(ErrorKind kind, std::string message, std::string reason = {})
         : std::runtime_error(std::move(message)), kind(kind), reason(std::move(reason)) {}

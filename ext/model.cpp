@@ -146,6 +146,10 @@ GgufFacts preflight_gguf(const std::string & path) {
         if (facts.target_hidden_size <= 0) {
             load_fail(path, "eagle3.target_hidden_size is missing");
         }
+        if (facts.target_layers.size() != 3) {
+            load_fail(path, "an EAGLE-3 draft must name exactly three target extraction layers, this one names " +
+                                std::to_string(facts.target_layers.size()));
+        }
     }
     if (a == "dflash" || a == "dspark") {
         // without a mask token the first draft aborts in common_batch::get_sub_batch
@@ -347,6 +351,45 @@ std::string vocab_mismatch(const Model & target, const Model & draft) {
     return {};
 }
 
+void check_draft_pairing(const Model & target, const Model & draft) {
+    const ModelInfo & tm = target.info();
+    const ModelInfo & dm = draft.info();
+    auto incompatible = [](const std::string & why) {
+        fail(ErrorKind::IncompatibleContexts, "incompatible contexts: " + why);
+    };
+    if (dm.arch != "eagle3" && dm.arch != "dflash" && dm.arch != "dspark") {
+        return;
+    }
+    // each check below stands for a GGML_ASSERT/GGML_ABORT the pinned llama.cpp would hit
+    if (const std::string why = vocab_mismatch(target, draft); !why.empty()) {
+        incompatible("the draft vocabulary differs from the target's: " + why);
+    }
+    const auto & layers = dm.facts.target_layers;
+    if (dm.arch == "eagle3") {
+        const bool terminal_nextn = tm.arch == "gpt-oss";
+        bool ok = layers.size() == 3 && tm.n_layer > 0;
+        for (int64_t l : layers) {
+            ok = ok && l >= 0 && (l < tm.n_layer || (l == tm.n_layer && terminal_nextn));
+        }
+        if (!ok) incompatible("draft must name exactly three supported target extraction sites");
+        if (dm.facts.target_hidden_size != tm.n_embd) {
+            incompatible("eagle3.target_hidden_size " + std::to_string(dm.facts.target_hidden_size) +
+                         " differs from the target's embedding size " + std::to_string(tm.n_embd));
+        }
+        return;
+    }
+    for (int64_t l : layers) {
+        if (l >= tm.n_layer) {
+            incompatible("DFlash target layer " + std::to_string(l) + " is not below the target's " +
+                         std::to_string(tm.n_layer) + " layers");
+        }
+    }
+    if (dm.n_embd != tm.n_embd) {
+        incompatible("the DFlash draft's embedding size " + std::to_string(dm.n_embd) +
+                     " differs from the target's " + std::to_string(tm.n_embd));
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // Context
 
@@ -381,8 +424,19 @@ Context::Context(std::shared_ptr<Model> model, const ContextParams & params, std
             fail(ErrorKind::IncompatibleContexts, "an MTP context needs the target context it drafts for");
         }
     }
-    if (in.has_encoder) {
+    if (in.has_encoder && in.arch != "eagle3" && in.arch != "dflash" && in.arch != "dspark") {
+        // (EAGLE-3 and DFlash drafts run their own encoder graph inside the session)
         fail(ErrorKind::Init, "encoder-decoder models are not supported");
+    }
+    if (other_) {
+        if (other_->params().kind != ContextKind::Default) {
+            fail(ErrorKind::IncompatibleContexts, "incompatible contexts: the other context must be a Default (target) context");
+        }
+        // the draft graph is reserved when the context is created: check before that
+        check_draft_pairing(*other_->model(), *model_);
+    } else if (in.arch == "eagle3" || in.arch == "dflash" || in.arch == "dspark") {
+        fail(ErrorKind::IncompatibleContexts,
+             "incompatible contexts: a " + in.arch + " draft context needs the target context as its other context");
     }
 
     llama_context_params cp = llama_context_default_params();
@@ -423,6 +477,14 @@ Context::Context(std::shared_ptr<Model> model, const ContextParams & params, std
 Context::~Context() {
     if (ctx_ != nullptr) {
         llama_free(ctx_);
+    }
+}
+
+static void check_state_flags(uint32_t flags) {
+    // ON_DEVICE takes a path that asserts on foreign bytes; only host-side flags are offered
+    if ((flags & ~static_cast<uint32_t>(LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)) != 0) {
+        fail(ErrorKind::InvalidArgument, "unsupported state flags " + std::to_string(flags) +
+                                             " (use 0 or STATE_SEQ_FLAGS_PARTIAL_ONLY)");
     }
 }
 
@@ -472,8 +534,15 @@ common_batch Context::to_common_batch(const BatchData & b) const {
 }
 
 int32_t Context::decode(const BatchData & batch) {
+    const std::string & arch = model_->info().arch;
+    if (params_.kind == ContextKind::Mtp || arch == "eagle3" || arch == "dflash" || arch == "dspark") {
+        // these graphs take the target's hidden states as input, which only the session feeds
+        fail(ErrorKind::InvalidArgument, "a " + (params_.kind == ContextKind::Mtp ? std::string("MTP") : arch) +
+                                             " draft context is driven by its speculative session, not decoded directly");
+    }
     validate_batch(batch);
     common_batch cb = to_common_batch(batch);
+    last_batch_ = BatchData{};
     logits_ = nullptr;
     embeddings_ = nullptr;
     n_outputs_ = 0;
@@ -484,6 +553,8 @@ int32_t Context::decode(const BatchData & batch) {
         e.code = ret;
         throw e;
     }
+    last_batch_ = batch;
+    last_batch_processed_ = false;
     n_outputs_ = batch.n_outputs();
     if (n_outputs_ > 0) {
         logits_ = llama_get_logits(ctx_);
@@ -533,11 +604,13 @@ int32_t Context::can_seq_rm() const {
 
 size_t Context::state_seq_size(int32_t seq_id, uint32_t flags) {
     check_seq(seq_id);
+    check_state_flags(flags);
     return llama_state_seq_get_size_ext(ctx_, seq_id, flags);
 }
 
 std::vector<uint8_t> Context::state_seq_get(int32_t seq_id, uint32_t flags) {
     check_seq(seq_id);
+    check_state_flags(flags);
     std::vector<uint8_t> out(llama_state_seq_get_size_ext(ctx_, seq_id, flags));
     const size_t n = llama_state_seq_get_data_ext(ctx_, out.data(), out.size(), seq_id, flags);
     out.resize(n);
@@ -546,6 +619,7 @@ std::vector<uint8_t> Context::state_seq_get(int32_t seq_id, uint32_t flags) {
 
 size_t Context::state_seq_set(const std::vector<uint8_t> & data, int32_t seq_id, uint32_t flags) {
     check_seq(seq_id);
+    check_state_flags(flags);
     if (data.empty()) {
         fail(ErrorKind::State, "empty sequence state");
     }

@@ -98,6 +98,9 @@ struct BatchData {
     std::vector<int32_t> tokens, pos, seq;
     std::vector<uint8_t> logits;
     size_t size() const { return tokens.size(); }
+    bool operator==(const BatchData & o) const {
+        return tokens == o.tokens && pos == o.pos && seq == o.seq && logits == o.logits;
+    }
     int32_t n_outputs() const;
 };
 
@@ -136,7 +139,14 @@ public:
 
     void check_seq(int64_t seq_id) const;
 
+    // The batch of the last successful decode, until a speculative session processed it.
+    const BatchData & last_batch() const { return last_batch_; }
+    bool last_batch_processed() const { return last_batch_processed_; }
+    void mark_last_batch_processed() { last_batch_processed_ = true; }
+
 private:
+    BatchData last_batch_;
+    bool last_batch_processed_ = true;
     std::shared_ptr<Model> model_;
     std::shared_ptr<Context> other_;
     llama_context * ctx_ = nullptr;
@@ -145,6 +155,10 @@ private:
     const float * embeddings_ = nullptr;
     int32_t n_outputs_ = 0;
 };
+
+// Refuse a draft model the pinned llama.cpp would abort on with this target (EAGLE-3 and
+// DFlash: extraction layers, hidden size, vocabulary). IncompatibleContexts otherwise.
+void check_draft_pairing(const Model & target, const Model & draft);
 
 // Are two vocabularies interchangeable for drafting (same type, specials and token texts)?
 // Returns an empty string when they are, else why not.

@@ -227,16 +227,16 @@ void translate(const std::exception_ptr & p, void *) {
     } catch (const Error & e) {
         nb::object errors = nb::module_::import_("engine.session.errors");
         nb::dict details;
-        auto put = [&](const char * k, int64_t v, int64_t unset) {
-            if (v != unset) details[k] = v;
+        auto put = [&](const char * k, const std::optional<int64_t> & v) {
+            if (v) details[k] = *v;
         };
-        put("seq_id", e.seq_id, -1);
-        put("n_seq", e.n_seq, -1);
-        put("size", e.size, -1);
-        put("maximum", e.maximum, -1);
-        put("accepted", e.accepted, -1);
-        put("proposed", e.proposed, -1);
-        put("code", e.code, 0);
+        put("seq_id", e.seq_id);
+        put("n_seq", e.n_seq);
+        put("size", e.size);
+        put("maximum", e.maximum);
+        put("accepted", e.accepted);
+        put("proposed", e.proposed);
+        put("code", e.code);
         if (!e.reason.empty()) details["reason"] = e.reason;
         nb::object cls = errors.attr(kind_name(e.kind));
         nb::object exc = cls(e.what(), **details);

@@ -199,10 +199,10 @@ void SpecSession::validate_contexts() {
     if (draft_->model() == target_->model() && type != "draft-simple") {
         incompatible("the " + type + " draft must be a separate draft model");
     }
-    if (const std::string why = vocab_mismatch(*target_->model(), *draft_->model()); !why.empty()) {
-        incompatible("the draft vocabulary differs from the target's: " + why);
-    }
     if (type == "draft-simple") {
+        if (const std::string why = vocab_mismatch(*target_->model(), *draft_->model()); !why.empty()) {
+            incompatible("the draft vocabulary differs from the target's: " + why);
+        }
         if (dm.arch == "eagle3" || dm.arch == "dflash" || dm.arch == "dspark") {
             incompatible("'" + dm.arch + "' drafts need speculative type draft-" + dm.arch + ", not draft-simple");
         }
@@ -211,35 +211,13 @@ void SpecSession::validate_contexts() {
     if (draft_->other() != target_) {
         incompatible("the " + type + " draft context must be created with the target context as its other context");
     }
-    const auto & layers = dm.facts.target_layers;
-    if (type == "draft-eagle3") {
-        if (dm.arch != "eagle3") fail(ErrorKind::Init, "the draft model is not an EAGLE-3 model (architecture '" + dm.arch + "')");
-        const bool terminal_nextn = tm.arch == "gpt-oss";
-        bool ok = layers.size() == 3 && tm.n_layer > 0;
-        for (int64_t l : layers) {
-            ok = ok && l >= 0 && (l < tm.n_layer || (l == tm.n_layer && terminal_nextn));
-        }
-        if (!ok) incompatible("draft must name exactly three supported target extraction sites");
-        if (dm.facts.target_hidden_size != tm.n_embd) {
-            incompatible("eagle3.target_hidden_size " + std::to_string(dm.facts.target_hidden_size) +
-                         " differs from the target's embedding size " + std::to_string(tm.n_embd));
-        }
-        return;
+    if (type == "draft-eagle3" && dm.arch != "eagle3") {
+        fail(ErrorKind::Init, "the draft model is not an EAGLE-3 model (architecture '" + dm.arch + "')");
     }
-    // DFlash / DSpark
-    if (dm.arch != "dflash" && dm.arch != "dspark") {
+    if ((type == "draft-dflash" || type == "draft-dspark") && dm.arch != "dflash" && dm.arch != "dspark") {
         fail(ErrorKind::Init, "the draft model is not a DFlash model (architecture '" + dm.arch + "')");
     }
-    for (int64_t l : layers) {
-        if (l >= tm.n_layer) {
-            incompatible("DFlash target layer " + std::to_string(l) + " is not below the target's " +
-                         std::to_string(tm.n_layer) + " layers");
-        }
-    }
-    if (dm.n_embd != tm.n_embd) {
-        incompatible("the DFlash draft's embedding size " + std::to_string(dm.n_embd) + " differs from the target's " +
-                     std::to_string(tm.n_embd));
-    }
+    check_draft_pairing(*target_->model(), *draft_->model());
 }
 
 bool SpecSession::need_embd_pre_norm() const { return spec_type_harvests_hidden(config_.type); }
@@ -290,6 +268,13 @@ void SpecSession::decode_target(const BatchData & batch) {
 
 void SpecSession::process(const BatchData & batch) {
     target_->validate_batch(batch);
+    // upstream reads the target's hidden states row by row for this batch: they must be
+    // the outputs of exactly this batch's decode, harvested once
+    if (target_->last_batch_processed() || !(target_->last_batch() == batch)) {
+        fail(ErrorKind::Process, "process() needs the batch just decoded on the target context "
+                                 "(each decoded batch is processed once)");
+    }
+    target_->mark_last_batch_processed();
     record_history(batch);
     ++stats_.n_process;
     if (spec_ == nullptr) return;
@@ -389,6 +374,13 @@ std::vector<std::vector<llama_token>> SpecSession::draft_many(const std::vector<
     }
     stats_.t_draft_us += now_us() - t0;
     ++stats_.n_draft_calls;
+    // Drafting ran the draft context ahead of the target; roll it back to what the target
+    // holds, so verification (process) continues it from n_past (as upstream's loops do).
+    if (draft_ && llama_get_memory(draft_->get()) != llama_get_memory(target_->get())) {
+        for (const DraftRequest & r : requests) {
+            llama_memory_seq_rm(llama_get_memory(draft_->get()), r.seq_id, r.n_past, -1);
+        }
+    }
     for (size_t i = 0; i < requests.size(); ++i) {
         const int32_t s = requests[i].seq_id;
         out[i] = std::move(results_[s]);

@@ -1,0 +1,52 @@
+"""Shared fixtures: the tiny GGUF models (written once per checkout) and one runtime."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from engine.session import Model, Runtime
+from tests.models.make_models import build_all
+
+MODELS_DIR = Path(__file__).parent / "models" / ".generated"
+
+
+@pytest.fixture(scope="session")
+def model_paths() -> dict[str, Path]:
+    """Every tiny test model, generated on first use (seconds) and reused afterwards."""
+    return build_all(MODELS_DIR)
+
+
+@pytest.fixture(scope="session")
+def runtime() -> Iterator[Runtime]:
+    rt = Runtime()
+    yield rt
+    rt.close()
+
+
+class ModelCache:
+    """Loads each model once per test session."""
+
+    def __init__(self, runtime: Runtime, paths: dict[str, Path]) -> None:
+        self.runtime = runtime
+        self.paths = paths
+        self._loaded: dict[tuple[str, bool], Model] = {}
+
+    def __call__(self, name: str, *, mtp: bool = False) -> Model:
+        key = (name, mtp)
+        if key not in self._loaded:
+            self._loaded[key] = Model.load(self.runtime, self.paths[name], mtp=mtp)
+        return self._loaded[key]
+
+
+@pytest.fixture(scope="session")
+def models(runtime: Runtime, model_paths: dict[str, Path]) -> ModelCache:
+    return ModelCache(runtime, model_paths)
+
+
+@pytest.fixture(scope="session")
+def threads() -> int:
+    return min(2, os.cpu_count() or 1)

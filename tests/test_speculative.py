@@ -1,0 +1,79 @@
+"""The seed's loop with every drafter: greedy output identical to plain greedy decoding."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.session import ContextConfig, SpeculativeConfig, SpeculativeSession
+from tests.conftest import ModelCache
+from tests.spec_loop import greedy_plain, speculative_greedy
+
+pytestmark = pytest.mark.timeout(300)
+
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog. Once upon a time,",
+    "In a small village by the sea there lived",
+    "1, 2, 3, 4, 5, 6,",
+]
+N_NEW = 24
+
+# (name, target, draft, spec type, extra config, load target with MTP layers)
+CASES = [
+    ("draft-simple", "llama", "llama", "draft-simple", {}, False),
+    ("eagle3", "llama", "llama-eagle3", "eagle3", {}, False),
+    ("eagle3-walk", "walk-llama", "walk-llama-eagle3", "eagle3", {}, False),
+    ("dflash", "llama", "llama-dflash", "dflash", {}, False),
+    ("mtp", "qwen35-mtp", None, "mtp", {}, True),
+    ("mtp-walk", "walk-qwen35-mtp", None, "mtp", {}, True),
+    ("ngram-simple", "walk-llama-cycle6", None, "ngram-simple",
+     {"ngram_size_n": 2, "ngram_size_m": 4}, False),
+    ("ngram-mod", "walk-llama-cycle6", None, "ngram-mod", {}, False),
+]
+
+
+def open_session(models: ModelCache, target: str, draft: str | None, spec: str, extra: dict[str, int],
+                 mtp: bool, n_seq: int, n_draft_max: int = 4) -> SpeculativeSession:
+    tm = models(target, mtp=mtp)
+    dm = models(draft) if draft else None
+    cfg = SpeculativeConfig(spec, n_seq=n_seq, n_draft_max=n_draft_max, **extra)
+    return SpeculativeSession.open(tm, cfg, ContextConfig(n_ctx=512 * n_seq, n_seq=n_seq, n_batch=256,
+                                                          n_ubatch=256, threads=2), draft_model=dm)
+
+
+@pytest.mark.parametrize("name,target,draft,spec,extra,mtp", CASES, ids=[c[0] for c in CASES])
+def test_speculative_greedy_equals_plain_greedy(models: ModelCache, name: str, target: str,
+                                                draft: str | None, spec: str, extra: dict[str, int],
+                                                mtp: bool) -> None:
+    tm = models(target, mtp=mtp)
+    prompts = [tm.tokenize(t) for t in TEXTS]
+    session = open_session(models, target, draft, spec, extra, mtp, n_seq=len(prompts))
+    run = speculative_greedy(session, prompts, N_NEW)
+    for prompt, out in zip(prompts, run.outputs):
+        assert out == greedy_plain(tm, prompt, N_NEW), name
+    assert session.is_quiescent()
+    stats = session.stats()
+    assert stats.n_drafted == sum(run.drafted)
+    assert stats.n_accepted == sum(run.accepted)
+    if name in ("draft-simple", "eagle3-walk", "mtp-walk", "ngram-simple"):
+        # drafts that can predict the target: acceptance must be real, not zero
+        assert sum(run.accepted) > 0, (name, run.drafted, run.accepted)
+        assert run.rounds < len(prompts) * N_NEW
+
+
+def test_draft_simple_self_draft_accepts_nearly_everything(models: ModelCache) -> None:
+    tm = models("llama")
+    prompts = [tm.tokenize(t) for t in TEXTS[:2]]
+    session = open_session(models, "llama", "llama", "draft-simple", {}, False, n_seq=2)
+    run = speculative_greedy(session, prompts, 32)
+    drafted, accepted = sum(run.drafted), sum(run.accepted)
+    assert drafted > 0
+    assert accepted / drafted >= 0.95, (accepted, drafted)
+
+
+def test_batched_draft_is_one_call_for_all_sequences(models: ModelCache) -> None:
+    tm = models("walk-llama")
+    prompts = [tm.tokenize(t) for t in TEXTS]
+    session = open_session(models, "walk-llama", "walk-llama-eagle3", "eagle3", {}, False, n_seq=3)
+    run = speculative_greedy(session, prompts, 12)
+    # one upstream draft call per round, whatever the number of sequences
+    assert session.stats().n_draft_calls <= run.rounds
