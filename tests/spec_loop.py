@@ -24,8 +24,12 @@ class SpecRun:
 
 def greedy_plain(model: Model, prompt: list[int], n_new: int, n_ctx: int = 512) -> list[int]:
     """Greedy decoding without speculation, one sequence, one token per decode."""
-    ctx = Context.create(model, ContextConfig(n_ctx=n_ctx, n_seq=1, n_batch=128, n_ubatch=128),
-                         n_outputs_max=1, n_outputs_max_per_seq=1)
+    ctx = Context.create(
+        model,
+        ContextConfig(n_ctx=n_ctx, n_seq=1, n_batch=128, n_ubatch=128),
+        n_outputs_max=1,
+        n_outputs_max_per_seq=1,
+    )
     b = Batch()
     b.add_sequence(prompt, 0, 0, logits="last")
     ctx.decode(b)
@@ -48,7 +52,7 @@ def prefill(session: SpeculativeSession, seq_id: int, prompt: list[int]) -> None
     n_batch = session.target_context.n_batch
     for start in range(0, len(body), n_batch):
         b = Batch()
-        b.add_sequence(body[start:start + n_batch], start, seq_id, logits="none")
+        b.add_sequence(body[start : start + n_batch], start, seq_id, logits="none")
         session.decode_target_and_process(b)
     session.begin(seq_id, body)
 
@@ -83,7 +87,7 @@ class GreedyLoop:
         drafts = session.draft_many([(s, self.n_past[s], self.last[s]) for s in seqs])
         batch = Batch()
         spans: dict[int, tuple[int, list[int]]] = {}
-        for s, d in zip(seqs, drafts):
+        for s, d in zip(seqs, drafts, strict=False):
             start = batch.add(self.last[s], self.n_past[s], s, True)
             for i, t in enumerate(d):
                 batch.add(t, self.n_past[s] + 1 + i, s, True)

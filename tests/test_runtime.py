@@ -78,8 +78,12 @@ def test_sync_waiters_release_the_gil() -> None:
 async def test_event_loop_keeps_ticking_during_a_long_prefill(model_paths: dict[str, Path]) -> None:
     with Runtime() as rt:
         model = Model.load(rt, model_paths["llama"])
-        ctx = Context.create(model, ContextConfig(n_ctx=4096, n_batch=2048, n_ubatch=512),
-                             n_outputs_max=1, n_outputs_max_per_seq=1)
+        ctx = Context.create(
+            model,
+            ContextConfig(n_ctx=4096, n_batch=2048, n_ubatch=512),
+            n_outputs_max=1,
+            n_outputs_max_per_seq=1,
+        )
         prompt = [(i * 37) % 30000 + 100 for i in range(2048)]
         gaps: list[float] = []
         stop = asyncio.Event()

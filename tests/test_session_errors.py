@@ -44,8 +44,10 @@ CTX = ContextConfig(n_ctx=512, n_seq=2, n_batch=128, n_ubatch=128, threads=2)
 
 # --- files ---------------------------------------------------------------------------
 
-def test_unloadable_files_are_typed_errors(runtime: Runtime, tmp_path: Path,
-                                           model_paths: dict[str, Path]) -> None:
+
+def test_unloadable_files_are_typed_errors(
+    runtime: Runtime, tmp_path: Path, model_paths: dict[str, Path]
+) -> None:
     empty = tmp_path / "empty.gguf"
     empty.write_bytes(b"")
     junk = tmp_path / "junk.gguf"
@@ -87,11 +89,13 @@ def test_unloadable_files_are_typed_errors(runtime: Runtime, tmp_path: Path,
         ("llama-other-vocab", "draft", "vocabulary"),
     ],
 )
-def test_incompatible_drafts_are_refused_before_llama_cpp(models: ModelCache, draft: str, spec: str,
-                                                          message: str) -> None:
+def test_incompatible_drafts_are_refused_before_llama_cpp(
+    models: ModelCache, draft: str, spec: str, message: str
+) -> None:
     with pytest.raises(IncompatibleContextsError, match=message):
-        SpeculativeSession.open(models("llama"), SpeculativeConfig(spec, n_seq=2), CTX,
-                                draft_model=models(draft))
+        SpeculativeSession.open(
+            models("llama"), SpeculativeConfig(spec, n_seq=2), CTX, draft_model=models(draft)
+        )
 
 
 def test_mtp_needs_nextn_layers(models: ModelCache) -> None:
@@ -101,11 +105,13 @@ def test_mtp_needs_nextn_layers(models: ModelCache) -> None:
 
 def test_eagle3_file_as_draft_simple_is_refused(models: ModelCache) -> None:
     with pytest.raises(IncompatibleContextsError, match="draft-eagle3"):
-        SpeculativeSession.open(models("llama"), SpeculativeConfig("draft", n_seq=2), CTX,
-                                draft_model=models("llama-eagle3"))
+        SpeculativeSession.open(
+            models("llama"), SpeculativeConfig("draft", n_seq=2), CTX, draft_model=models("llama-eagle3")
+        )
 
 
 # --- configs and contexts --------------------------------------------------------------
+
 
 @pytest.mark.parametrize(
     "kwargs",
@@ -127,8 +133,13 @@ def test_invalid_speculative_configs(kwargs: dict[str, object]) -> None:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"n_seq": 0}, {"n_ctx": 4, "n_seq": 8}, {"n_batch": 0}, {"n_ubatch": 600, "n_batch": 512},
-     {"threads": -1}],
+    [
+        {"n_seq": 0},
+        {"n_ctx": 4, "n_seq": 8},
+        {"n_batch": 0},
+        {"n_ubatch": 600, "n_batch": 512},
+        {"threads": -1},
+    ],
 )
 def test_invalid_context_configs(kwargs: dict[str, int]) -> None:
     with pytest.raises(InvalidConfigError):
@@ -162,10 +173,15 @@ def test_context_checks_of_the_seed(models: ModelCache) -> None:
 
 # --- the lifecycle ---------------------------------------------------------------------
 
+
 @pytest.fixture()
 def walk_session(models: ModelCache) -> SpeculativeSession:
-    return SpeculativeSession.open(models("walk-llama"), SpeculativeConfig("eagle3", n_seq=2, n_draft_max=3),
-                                   CTX, draft_model=models("walk-llama-eagle3"))
+    return SpeculativeSession.open(
+        models("walk-llama"),
+        SpeculativeConfig("eagle3", n_seq=2, n_draft_max=3),
+        CTX,
+        draft_model=models("walk-llama-eagle3"),
+    )
 
 
 def test_lifecycle_rules(walk_session: SpeculativeSession, models: ModelCache) -> None:

@@ -25,30 +25,48 @@ CASES = [
     ("dflash", "llama", "llama-dflash", "dflash", {}, False),
     ("mtp", "qwen35-mtp", None, "mtp", {}, True),
     ("mtp-walk", "walk-qwen35-mtp", None, "mtp", {}, True),
-    ("ngram-simple", "walk-llama-cycle6", None, "ngram-simple",
-     {"ngram_size_n": 2, "ngram_size_m": 4}, False),
+    (
+        "ngram-simple",
+        "walk-llama-cycle6",
+        None,
+        "ngram-simple",
+        {"ngram_size_n": 2, "ngram_size_m": 4},
+        False,
+    ),
     ("ngram-mod", "walk-llama-cycle6", None, "ngram-mod", {}, False),
 ]
 
 
-def open_session(models: ModelCache, target: str, draft: str | None, spec: str, extra: dict[str, int],
-                 mtp: bool, n_seq: int, n_draft_max: int = 4) -> SpeculativeSession:
+def open_session(
+    models: ModelCache,
+    target: str,
+    draft: str | None,
+    spec: str,
+    extra: dict[str, int],
+    mtp: bool,
+    n_seq: int,
+    n_draft_max: int = 4,
+) -> SpeculativeSession:
     tm = models(target, mtp=mtp)
     dm = models(draft) if draft else None
     cfg = SpeculativeConfig(spec, n_seq=n_seq, n_draft_max=n_draft_max, **extra)
-    return SpeculativeSession.open(tm, cfg, ContextConfig(n_ctx=512 * n_seq, n_seq=n_seq, n_batch=256,
-                                                          n_ubatch=256, threads=2), draft_model=dm)
+    return SpeculativeSession.open(
+        tm,
+        cfg,
+        ContextConfig(n_ctx=512 * n_seq, n_seq=n_seq, n_batch=256, n_ubatch=256, threads=2),
+        draft_model=dm,
+    )
 
 
 @pytest.mark.parametrize("name,target,draft,spec,extra,mtp", CASES, ids=[c[0] for c in CASES])
-def test_speculative_greedy_equals_plain_greedy(models: ModelCache, name: str, target: str,
-                                                draft: str | None, spec: str, extra: dict[str, int],
-                                                mtp: bool) -> None:
+def test_speculative_greedy_equals_plain_greedy(
+    models: ModelCache, name: str, target: str, draft: str | None, spec: str, extra: dict[str, int], mtp: bool
+) -> None:
     tm = models(target, mtp=mtp)
     prompts = [tm.tokenize(t) for t in TEXTS]
     session = open_session(models, target, draft, spec, extra, mtp, n_seq=len(prompts))
     run = speculative_greedy(session, prompts, N_NEW)
-    for prompt, out in zip(prompts, run.outputs):
+    for prompt, out in zip(prompts, run.outputs, strict=False):
         assert out == greedy_plain(tm, prompt, N_NEW), name
     assert session.is_quiescent()
     stats = session.stats()

@@ -24,20 +24,38 @@ CASES = [
     ("eagle3", "walk-llama", "walk-llama-eagle3", "eagle3", {}, False),
     ("mtp", "walk-qwen35-mtp", None, "mtp", {}, True),
     ("draft-simple", "llama", "llama", "draft", {}, False),
-    ("ngram-simple", "walk-llama-cycle6", None, "ngram-simple", {"ngram_size_n": 2, "ngram_size_m": 4}, False),
+    (
+        "ngram-simple",
+        "walk-llama-cycle6",
+        None,
+        "ngram-simple",
+        {"ngram_size_n": 2, "ngram_size_m": 4},
+        False,
+    ),
 ]
 
 
-def make(models: ModelCache, target: str, draft: str | None, spec: str, extra: dict[str, int], mtp: bool,
-         n_draft_max: int = 3) -> SpeculativeSession:
+def make(
+    models: ModelCache,
+    target: str,
+    draft: str | None,
+    spec: str,
+    extra: dict[str, int],
+    mtp: bool,
+    n_draft_max: int = 3,
+) -> SpeculativeSession:
     return SpeculativeSession.open(
-        models(target, mtp=mtp), SpeculativeConfig(spec, n_seq=2, n_draft_max=n_draft_max, **extra), CTX,
-        draft_model=models(draft) if draft else None)
+        models(target, mtp=mtp),
+        SpeculativeConfig(spec, n_seq=2, n_draft_max=n_draft_max, **extra),
+        CTX,
+        draft_model=models(draft) if draft else None,
+    )
 
 
 @pytest.mark.parametrize("name,target,draft,spec,extra,mtp", CASES, ids=[c[0] for c in CASES])
-def test_capture_clear_restore_continue(models: ModelCache, name: str, target: str, draft: str | None,
-                                        spec: str, extra: dict[str, int], mtp: bool) -> None:
+def test_capture_clear_restore_continue(
+    models: ModelCache, name: str, target: str, draft: str | None, spec: str, extra: dict[str, int], mtp: bool
+) -> None:
     prompt = models(target, mtp=mtp).tokenize(PROMPT)
 
     reference = GreedyLoop(make(models, target, draft, spec, extra, mtp))

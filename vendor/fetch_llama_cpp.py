@@ -56,8 +56,19 @@ def _archive() -> Path:
             return path
     CACHE.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-build-isolation",
-               "--no-binary", ":all:", f"{PACKAGE}=={VERSION}", "-d", tmp]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-binary",
+            ":all:",
+            f"{PACKAGE}=={VERSION}",
+            "-d",
+            tmp,
+        ]
         print("fetch_llama_cpp:", " ".join(cmd), flush=True)
         done = subprocess.run(cmd, capture_output=True, text=True)
         got = Path(tmp) / ARCHIVE
@@ -79,15 +90,18 @@ def _unpack(archive: Path, dest: Path) -> None:
         members = []
         for m in tar.getmembers():
             if m.name.startswith(prefix) and (m.isfile() or m.isdir()):
-                m.name = m.name[len(prefix):]
+                m.name = m.name[len(prefix) :]
                 if m.name:
                     members.append(m)
         tar.extractall(staging, members=members, filter="data")
     for patch in sorted(PATCHES.glob("*.patch")):
-        subprocess.run(["patch", "-p1", "--forward", "--quiet", "-d", str(staging), "-i", str(patch)],
-                       check=True)
-    (staging / STAMP).write_text(f"{PACKAGE}=={VERSION} {SHA256} {UPSTREAM_COMMIT} "
-                                 f"patches={','.join(p.name for p in sorted(PATCHES.glob('*.patch')))}\n")
+        subprocess.run(
+            ["patch", "-p1", "--forward", "--quiet", "-d", str(staging), "-i", str(patch)], check=True
+        )
+    (staging / STAMP).write_text(
+        f"{PACKAGE}=={VERSION} {SHA256} {UPSTREAM_COMMIT} "
+        f"patches={','.join(p.name for p in sorted(PATCHES.glob('*.patch')))}\n"
+    )
     shutil.rmtree(dest, ignore_errors=True)
     staging.rename(dest)
 
@@ -112,10 +126,12 @@ def main() -> int:
     try:
         print(ensure(dest))
     except (FetchError, OSError, subprocess.CalledProcessError, tarfile.TarError) as exc:
-        print(f"fetch_llama_cpp: could not obtain {PACKAGE}=={VERSION} ({exc}).\n"
-              "Set LLAMA_CPP_DIR to a llama.cpp checkout (upstream commit "
-              f"{UPSTREAM_COMMIT}) or LLAMA_CPP_ARCHIVE to a local copy of {ARCHIVE}.",
-              file=sys.stderr)
+        print(
+            f"fetch_llama_cpp: could not obtain {PACKAGE}=={VERSION} ({exc}).\n"
+            "Set LLAMA_CPP_DIR to a llama.cpp checkout (upstream commit "
+            f"{UPSTREAM_COMMIT}) or LLAMA_CPP_ARCHIVE to a local copy of {ARCHIVE}.",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

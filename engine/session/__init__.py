@@ -12,7 +12,7 @@ from .errors import *  # noqa: F403
 from .errors import __all__ as _errors_all
 from .model import STATE_SEQ_FLAGS_PARTIAL_ONLY, Batch, Context, Model, ModelInfo
 from .runtime import Runtime
-from .session import SpeculativeSession, SpecStats
+from .session import SpecStats, SpeculativeSession
 
 __all__ = [
     "SPEC_TYPES",

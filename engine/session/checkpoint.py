@@ -95,7 +95,10 @@ def unpack(data: bytes, expected_fingerprint: dict[str, Any] | None = None) -> S
     if offset != len(body):
         raise _bad("trailing bytes after the sections")
     if expected_fingerprint is not None and fingerprint != expected_fingerprint:
-        diff = sorted(k for k in set(fingerprint) | set(expected_fingerprint)
-                      if fingerprint.get(k) != expected_fingerprint.get(k))
+        diff = sorted(
+            k
+            for k in set(fingerprint) | set(expected_fingerprint)
+            if fingerprint.get(k) != expected_fingerprint.get(k)
+        )
         raise _bad(f"made for another model or configuration (differs in: {', '.join(diff)})")
     return SequenceCheckpoint(fingerprint, sections, meta)

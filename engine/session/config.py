@@ -68,11 +68,13 @@ class ContextConfig:
     n_ctx: int = 4096
     n_seq: int = 1
     n_batch: int = 512
-    n_ubatch: int = 512
+    n_ubatch: int | None = None  #: None = min(512, n_batch)
     threads: int = 0  #: 0 = all cores
     embeddings: bool = False
 
     def __post_init__(self) -> None:
+        if self.n_ubatch is None:
+            object.__setattr__(self, "n_ubatch", min(512, self.n_batch))
         _check(1 <= self.n_seq <= 256, f"n_seq must be in [1, 256], got {self.n_seq}")
         _check(self.n_ctx >= 1, f"n_ctx must be positive, got {self.n_ctx}")
         _check(
@@ -81,7 +83,7 @@ class ContextConfig:
         )
         _check(self.n_batch >= 1, f"n_batch must be positive, got {self.n_batch}")
         _check(
-            1 <= self.n_ubatch <= self.n_batch,
+            isinstance(self.n_ubatch, int) and 1 <= self.n_ubatch <= self.n_batch,
             f"n_ubatch must be in [1, n_batch={self.n_batch}], got {self.n_ubatch}",
         )
         _check(self.threads >= 0, f"threads must be >= 0 (0 = all cores), got {self.threads}")

@@ -44,9 +44,7 @@ class Batch:
         self.logits.append(logits)
         return len(self.tokens) - 1
 
-    def add_sequence(
-        self, tokens: Iterable[int], pos0: int, seq_id: int, *, logits: str = "last"
-    ) -> None:
+    def add_sequence(self, tokens: Iterable[int], pos0: int, seq_id: int, *, logits: str = "last") -> None:
         """Append consecutive tokens of one sequence from position ``pos0``.
 
         ``logits``: ``"last"``, ``"all"`` or ``"none"``.
@@ -89,7 +87,7 @@ class Model:
         pinned llama.cpp would abort on (e.g. an EAGLE-3 draft with more than one layer).
     """
 
-    def __init__(self, runtime: Runtime, native: Any, fingerprint: str) -> None:
+    def __init__(self, runtime: Runtime, native: _nb_spec.Model, fingerprint: str) -> None:
         self.runtime = runtime
         self.native = native
         self.info: _nb_spec.ModelInfo = native.info
@@ -135,29 +133,37 @@ class Model:
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
         return self.native.tokenize(text, add_special, parse_special)
 
-    def detokenize(self, tokens: Sequence[int], *, remove_special: bool = False,
-                   unparse_special: bool = False) -> str:
+    def detokenize(
+        self, tokens: Sequence[int], *, remove_special: bool = False, unparse_special: bool = False
+    ) -> str:
         """Text of ``tokens`` (invalid UTF-8 at the end is replaced)."""
-        return self.detokenize_bytes(tokens, remove_special=remove_special,
-                                     unparse_special=unparse_special).decode("utf-8", "replace")
+        return self.detokenize_bytes(
+            tokens, remove_special=remove_special, unparse_special=unparse_special
+        ).decode("utf-8", "replace")
 
-    def detokenize_bytes(self, tokens: Sequence[int], *, remove_special: bool = False,
-                         unparse_special: bool = False) -> bytes:
+    def detokenize_bytes(
+        self, tokens: Sequence[int], *, remove_special: bool = False, unparse_special: bool = False
+    ) -> bytes:
         return self.native.detokenize(list(tokens), remove_special, unparse_special)
 
     def token_to_piece(self, token: int, *, special: bool = False) -> bytes:
         """The bytes of one token (may be part of a multi-byte character)."""
         return self.native.token_to_piece(token, special)
 
-    def apply_chat_template(self, messages: Sequence[dict[str, str]], *, add_assistant: bool = True,
-                            template: str | None = None) -> str:
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, str]], *, add_assistant: bool = True, template: str | None = None
+    ) -> str:
         """Render chat messages with the model's template (llama.cpp's built-in renderers).
 
         :raises InvalidArgumentError: malformed messages or an unsupported template.
         """
         pairs: list[tuple[str, str]] = []
         for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            if (
+                not isinstance(m, dict)
+                or not isinstance(m.get("role"), str)
+                or not isinstance(m.get("content"), str)
+            ):
                 raise InvalidArgumentError(
                     f"message {i} must be a dict with string 'role' and 'content'", reason="bad message"
                 )
@@ -186,7 +192,7 @@ class Context:
     ``other`` is the target context a draft context reads from (EAGLE-3, DFlash, MTP).
     """
 
-    def __init__(self, model: Model, native: Any) -> None:
+    def __init__(self, model: Model, native: _nb_spec.Context) -> None:
         self.model = model
         self.native = native
 
@@ -206,7 +212,7 @@ class Context:
         p = _nb_spec.ContextParams()
         p.n_ctx = config.n_ctx
         p.n_batch = config.n_batch
-        p.n_ubatch = config.n_ubatch
+        p.n_ubatch = config.n_ubatch or config.n_batch
         p.n_seq = config.n_seq
         p.n_threads = config.threads
         p.embeddings = config.embeddings
@@ -268,8 +274,9 @@ class Context:
 
     def kv_remove(self, seq_id: int | None = None, p0: int | None = None, p1: int | None = None) -> bool:
         """Remove cells of ``seq_id`` (None: all) in ``[p0, p1)`` (None: open end)."""
-        return self.native.kv_remove(-1 if seq_id is None else seq_id,
-                                     -1 if p0 is None else p0, -1 if p1 is None else p1)
+        return self.native.kv_remove(
+            -1 if seq_id is None else seq_id, -1 if p0 is None else p0, -1 if p1 is None else p1
+        )
 
     def seq_pos_max(self, seq_id: int) -> int:
         """Largest position held for a sequence, -1 when empty."""

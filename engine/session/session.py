@@ -52,21 +52,24 @@ class SpeculativeSession:
 
     # --- construction in the seed's vocabulary -----------------------------------------
     @classmethod
-    def eagle3(cls, target: Context, draft: Context, n_seq: int = 1, n_draft_max: int = 3,
-               **kw: Any) -> SpeculativeSession:
+    def eagle3(
+        cls, target: Context, draft: Context, n_seq: int = 1, n_draft_max: int = 3, **kw: Any
+    ) -> SpeculativeSession:
         """EAGLE-3: ``draft`` is a Default context over an EAGLE-3 draft model created with
         ``other=target``."""
         return cls(target, draft, SpeculativeConfig("draft-eagle3", n_seq, n_draft_max, **kw))
 
     @classmethod
-    def dflash(cls, target: Context, draft: Context, n_seq: int = 1, n_draft_max: int = 3,
-               **kw: Any) -> SpeculativeSession:
+    def dflash(
+        cls, target: Context, draft: Context, n_seq: int = 1, n_draft_max: int = 3, **kw: Any
+    ) -> SpeculativeSession:
         """DFlash (DFlash2 checkpoints are detected from their metadata)."""
         return cls(target, draft, SpeculativeConfig("draft-dflash", n_seq, n_draft_max, **kw))
 
     @classmethod
-    def mtp(cls, target: Context, draft: Context, n_seq: int = 1, n_draft_max: int = 3,
-            **kw: Any) -> SpeculativeSession:
+    def mtp(
+        cls, target: Context, draft: Context, n_seq: int = 1, n_draft_max: int = 3, **kw: Any
+    ) -> SpeculativeSession:
         """MTP: ``draft`` is an MTP context over the target model itself."""
         return cls(target, draft, SpeculativeConfig("draft-mtp", n_seq, n_draft_max, **kw))
 
@@ -108,8 +111,11 @@ class SpeculativeSession:
             assert draft_model is not None or config.is_mtp
             block = config.n_draft_max + 1 if config.is_block_draft else 1
             dcfg = ContextConfig(
-                n_ctx=target.n_ctx, n_seq=config.n_seq, n_batch=context.n_batch,
-                n_ubatch=context.n_ubatch, threads=context.threads,
+                n_ctx=target.n_ctx,
+                n_seq=config.n_seq,
+                n_batch=context.n_batch,
+                n_ubatch=context.n_ubatch,
+                threads=context.threads,
             )
             draft = Context.create(
                 draft_model or target_model,
@@ -245,13 +251,15 @@ class SpeculativeSession:
         """
         self.native.restore_speculative_state(seq_id, state)
 
-    def clear_target_kv_cache_seq(self, seq_id: int | None = None, p0: int | None = None,
-                                  p1: int | None = None) -> bool:
+    def clear_target_kv_cache_seq(
+        self, seq_id: int | None = None, p0: int | None = None, p1: int | None = None
+    ) -> bool:
         """Remove a target KV range (None: all sequences / open ends)."""
         return self.native.clear_target_kv(_opt(seq_id), _opt(p0), _opt(p1))
 
-    def clear_draft_kv_cache_seq(self, seq_id: int | None = None, p0: int | None = None,
-                                 p1: int | None = None) -> bool:
+    def clear_draft_kv_cache_seq(
+        self, seq_id: int | None = None, p0: int | None = None, p1: int | None = None
+    ) -> bool:
         """Remove a draft KV range."""
         return self.native.clear_draft_kv(_opt(seq_id), _opt(p0), _opt(p1))
 

@@ -46,7 +46,8 @@ import re
 import struct
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -65,14 +66,14 @@ VOCAB_LLAMA = VENDOR / "models" / "ggml-vocab-llama-bpe.gguf"
 VOCAB_QWEN35 = VENDOR / "models" / "ggml-vocab-qwen35.gguf"
 
 # ---- model dimensions ---------------------------------------------------------------
-E = 64          # n_embd of every target / draft (except the deliberately broken ones)
+E = 64  # n_embd of every target / draft (except the deliberately broken ones)
 H, HKV, D = 4, 2, 16
 FF = 128
 N_LAYER = 4
 CTX = 4096
 RMS_EPS = 1e-5
 ROPE_BASE = 500000.0
-LOGIT_STD = 16.0          # random targets: std of output logits (sharp, untied head)
+LOGIT_STD = 16.0  # random targets: std of output logits (sharp, untied head)
 
 WALK_N = 96
 WALK_C = 0.25
@@ -81,16 +82,17 @@ WALK_LAYER_SCALE = 0.05
 EAGLE3_TARGET_LAYERS = [1, 2, 3]
 DFLASH_TARGET_LAYERS = [1, 3]
 DFLASH_BLOCK_SIZE = 8
-DFLASH_MASK_ID = 128002   # <|reserved_special_token_0|> in llama-bpe
+DFLASH_MASK_ID = 128002  # <|reserved_special_token_0|> in llama-bpe
 
 # qwen35 (4 trunk layers: 3 gated-delta-net + 1 full attention, then 1 NextN/MTP layer)
 Q_TRUNK = 4
-Q_SECTIONS = [2, 3, 3, 0]   # sum == n_rot / 2 == D / 2
+Q_SECTIONS = [2, 3, 3, 0]  # sum == n_rot / 2 == D / 2
 Q_CONV_K = 4
-Q_S, Q_G, Q_R = 16, 2, 4    # ssm state size, group count (k heads), time_step_rank (v heads)
+Q_S, Q_G, Q_R = 16, 2, 4  # ssm state size, group count (k heads), time_step_rank (v heads)
 
 
 # ---- vocab handling -----------------------------------------------------------------
+
 
 class _Prepacked:
     """Already-serialised GGUF array payload (element type, count, items)."""
@@ -103,7 +105,9 @@ class _Prepacked:
 
 
 class _Writer(GGUFWriter):
-    def _pack_val(self, val: Any, vtype: GGUFValueType, add_vtype: bool, sub_type: GGUFValueType | None = None) -> bytes:
+    def _pack_val(
+        self, val: Any, vtype: GGUFValueType, add_vtype: bool, sub_type: GGUFValueType | None = None
+    ) -> bytes:
         if isinstance(val, _Prepacked):
             return (self._pack("I", vtype) if add_vtype else b"") + val.data
         return super()._pack_val(val, vtype, add_vtype, sub_type)
@@ -118,7 +122,7 @@ def _read_kv_raw(path: pathlib.Path) -> list[tuple[str, int, bytes]]:
     A minimal parser: GGUFReader takes ~8 s on the 400k-string vocab files, this takes ~0.3 s."""
     buf = memoryview(path.read_bytes())
     assert bytes(buf[:4]) == b"GGUF", path
-    version, = struct.unpack_from("<I", buf, 4)
+    (version,) = struct.unpack_from("<I", buf, 4)
     assert version == 3, (path, version)
     _n_tensors, n_kv = struct.unpack_from("<QQ", buf, 8)
     off = 24
@@ -126,7 +130,7 @@ def _read_kv_raw(path: pathlib.Path) -> list[tuple[str, int, bytes]]:
 
     def skip_val(vt: int, off: int) -> int:
         if vt == 8:
-            n, = struct.unpack_from("<Q", buf, off)
+            (n,) = struct.unpack_from("<Q", buf, off)
             return off + 8 + n
         if vt == 9:
             lt, n = struct.unpack_from("<IQ", buf, off)
@@ -139,10 +143,10 @@ def _read_kv_raw(path: pathlib.Path) -> list[tuple[str, int, bytes]]:
         return off + _SCALAR_SIZE[vt]
 
     for _ in range(n_kv):
-        klen, = struct.unpack_from("<Q", buf, off)
-        key = bytes(buf[off + 8:off + 8 + klen]).decode()
+        (klen,) = struct.unpack_from("<Q", buf, off)
+        key = bytes(buf[off + 8 : off + 8 + klen]).decode()
         off += 8 + klen
-        vt, = struct.unpack_from("<I", buf, off)
+        (vt,) = struct.unpack_from("<I", buf, off)
         off += 4
         end = skip_val(vt, off)
         out.append((key, vt, bytes(buf[off:end])))
@@ -155,15 +159,17 @@ class Vocab:
 
     def __init__(self, path: pathlib.Path):
         self.path = path
-        self.kv: list[tuple[str, int, bytes]] = [kv for kv in _read_kv_raw(path) if kv[0].startswith("tokenizer.")]
+        self.kv: list[tuple[str, int, bytes]] = [
+            kv for kv in _read_kv_raw(path) if kv[0].startswith("tokenizer.")
+        ]
         raw = {k: (vt, data) for k, vt, data in self.kv}
         vt, data = raw["tokenizer.ggml.tokens"]
         lt, n = struct.unpack_from("<IQ", data, 0)
         assert vt == 9 and lt == 8
         toks, off = [], 12
         for _ in range(n):
-            ln, = struct.unpack_from("<Q", data, off)
-            toks.append(data[off + 8:off + 8 + ln].decode("utf-8", errors="replace"))
+            (ln,) = struct.unpack_from("<Q", data, off)
+            toks.append(data[off + 8 : off + 8 + ln].decode("utf-8", errors="replace"))
             off += 8 + ln
         self.tokens: list[str] = toks
         vt, data = raw["tokenizer.ggml.token_type"]
@@ -180,8 +186,11 @@ class Vocab:
     def word_tokens(self, n: int) -> list[int]:
         """n ordinary word tokens ('Ġ' + 3..8 lowercase ascii letters), lowest ids first."""
         pat = re.compile(r"^\u0120[a-z]{3,8}$")
-        out = [i for i, (s, t) in enumerate(zip(self.tokens, self.token_types))
-               if t == 1 and pat.match(s) and s[1:] not in _WORD_EXCLUDE]
+        out = [
+            i
+            for i, (s, t) in enumerate(zip(self.tokens, self.token_types, strict=False))
+            if t == 1 and pat.match(s) and s[1:] not in _WORD_EXCLUDE
+        ]
         assert len(out) >= n, (self.path, len(out))
         return out[:n]
 
@@ -204,8 +213,16 @@ def vocab(kind: str) -> Vocab:
 
 # ---- writing ------------------------------------------------------------------------
 
-def _write_gguf(path: pathlib.Path, arch: str, kv: dict[str, Any], tensors: dict[str, np.ndarray],
-                voc: Vocab | None, vocab_skip: tuple[str, ...] = (), extra_kv: Callable[[GGUFWriter], None] | None = None) -> None:
+
+def _write_gguf(
+    path: pathlib.Path,
+    arch: str,
+    kv: dict[str, Any],
+    tensors: dict[str, np.ndarray],
+    voc: Vocab | None,
+    vocab_skip: tuple[str, ...] = (),
+    extra_kv: Callable[[GGUFWriter], None] | None = None,
+) -> None:
     """Write atomically: <path>.tmp then rename."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     w = _Writer(tmp, arch)
@@ -252,8 +269,14 @@ def _ones(n: int) -> np.ndarray:
     return np.ones(n, dtype=np.float32)
 
 
-def _base_kv(n_layer: int, n_embd: int = E, n_head: int = H, n_head_kv: int = HKV, n_ff: int = FF,
-             head_dim: int | None = None) -> dict[str, Any]:
+def _base_kv(
+    n_layer: int,
+    n_embd: int = E,
+    n_head: int = H,
+    n_head_kv: int = HKV,
+    n_ff: int = FF,
+    head_dim: int | None = None,
+) -> dict[str, Any]:
     hd = head_dim if head_dim is not None else n_embd // n_head
     return {
         "{arch}.context_length": CTX,
@@ -271,6 +294,7 @@ def _base_kv(n_layer: int, n_embd: int = E, n_head: int = H, n_head_kv: int = HK
 
 
 # ---- embeddings / heads ------------------------------------------------------------
+
 
 def _random_embd(rng: np.random.Generator, n_vocab: int, n_embd: int) -> np.ndarray:
     return rng.standard_normal((n_vocab, n_embd)).astype(np.float16)
@@ -292,12 +316,12 @@ class Walk:
         self.voc = voc
         self.ids = np.array(voc.word_tokens(WALK_N), dtype=np.int64)
         order = rng.permutation(WALK_N)
-        sig = np.empty(WALK_N, dtype=np.int64)       # sig[k] = index (in ids) of sigma(ids[k])
+        sig = np.empty(WALK_N, dtype=np.int64)  # sig[k] = index (in ids) of sigma(ids[k])
         period = cycle or WALK_N
         assert WALK_N % period == 0
         for c0 in range(0, WALK_N, period):
-            cyc = order[c0:c0 + period]
-            for a, b in zip(cyc, np.roll(cyc, -1)):
+            cyc = order[c0 : c0 + period]
+            for a, b in zip(cyc, np.roll(cyc, -1), strict=False):
                 sig[a] = b
         self.sig_idx = sig
         self.sigma = {int(self.ids[k]): int(self.ids[sig[k]]) for k in range(WALK_N)}
@@ -312,7 +336,7 @@ class Walk:
         self.n_embd = n_embd
 
     def token_embd(self) -> np.ndarray:
-        return self.walk_embd[self.rep]                          # (V, E) f16
+        return self.walk_embd[self.rep]  # (V, E) f16
 
     def head(self, power: int = 1) -> np.ndarray:
         """output rows: row sigma^power(t) = WALK_C * E[t] for every walk token t."""
@@ -332,27 +356,45 @@ class Walk:
 
 # ---- llama --------------------------------------------------------------------------
 
-def _llama_layers(rng: np.random.Generator, n_layer: int, n_embd: int = E, n_head: int = H, n_head_kv: int = HKV,
-                  n_ff: int = FF, out_scale: float = 1.0) -> dict[str, np.ndarray]:
+
+def _llama_layers(
+    rng: np.random.Generator,
+    n_layer: int,
+    n_embd: int = E,
+    n_head: int = H,
+    n_head_kv: int = HKV,
+    n_ff: int = FF,
+    out_scale: float = 1.0,
+) -> dict[str, np.ndarray]:
     hd = n_embd // n_head
     t: dict[str, np.ndarray] = {}
     for i in range(n_layer):
         p = f"blk.{i}."
         t[p + "attn_norm.weight"] = _ones(n_embd)
-        t[p + "attn_q.weight"] = _mat(rng, n_head * hd, n_embd)         # ne {E, H*D}
-        t[p + "attn_k.weight"] = _mat(rng, n_head_kv * hd, n_embd)      # ne {E, Hkv*D}
+        t[p + "attn_q.weight"] = _mat(rng, n_head * hd, n_embd)  # ne {E, H*D}
+        t[p + "attn_k.weight"] = _mat(rng, n_head_kv * hd, n_embd)  # ne {E, Hkv*D}
         t[p + "attn_v.weight"] = _mat(rng, n_head_kv * hd, n_embd)
         t[p + "attn_output.weight"] = _mat(rng, n_embd, n_head * hd, out_scale)  # ne {H*D, E}
         t[p + "ffn_norm.weight"] = _ones(n_embd)
-        t[p + "ffn_gate.weight"] = _mat(rng, n_ff, n_embd)              # ne {E, F}
+        t[p + "ffn_gate.weight"] = _mat(rng, n_ff, n_embd)  # ne {E, F}
         t[p + "ffn_up.weight"] = _mat(rng, n_ff, n_embd)
-        t[p + "ffn_down.weight"] = _mat(rng, n_embd, n_ff, out_scale)   # ne {F, E}
+        t[p + "ffn_down.weight"] = _mat(rng, n_embd, n_ff, out_scale)  # ne {F, E}
     return t
 
 
-def _write_llama(path: pathlib.Path, name: str, voc: Vocab, *, n_layer: int = N_LAYER, n_embd: int = E,
-                 n_head: int = H, n_head_kv: int = HKV, n_ff: int = FF, walk: Walk | None = None,
-                 head_dtype=np.float32) -> None:
+def _write_llama(
+    path: pathlib.Path,
+    name: str,
+    voc: Vocab,
+    *,
+    n_layer: int = N_LAYER,
+    n_embd: int = E,
+    n_head: int = H,
+    n_head_kv: int = HKV,
+    n_ff: int = FF,
+    walk: Walk | None = None,
+    head_dtype=np.float32,
+) -> None:
     rng = _rng(name)
     if walk is None:
         tok = _random_embd(rng, voc.n_vocab, n_embd)
@@ -371,24 +413,30 @@ def _write_llama(path: pathlib.Path, name: str, voc: Vocab, *, n_layer: int = N_
 
 # ---- eagle3 -------------------------------------------------------------------------
 
-def _eagle3_tensors(rng: np.random.Generator, n_layer: int = 1, n_embd_tgt: int = E, n_tgt_feats: int = 3,
-                    oracle: Walk | None = None) -> dict[str, np.ndarray]:
+
+def _eagle3_tensors(
+    rng: np.random.Generator,
+    n_layer: int = 1,
+    n_embd_tgt: int = E,
+    n_tgt_feats: int = 3,
+    oracle: Walk | None = None,
+) -> dict[str, np.ndarray]:
     t: dict[str, np.ndarray] = {}
     if oracle is None:
-        t["fc.weight"] = _mat(rng, E, n_tgt_feats * n_embd_tgt)                 # ne {3*E_t, E}
+        t["fc.weight"] = _mat(rng, E, n_tgt_feats * n_embd_tgt)  # ne {3*E_t, E}
     else:
         fc = np.zeros((E, n_tgt_feats * n_embd_tgt), dtype=np.float32)
-        fc[:, :n_embd_tgt] = np.eye(E, n_embd_tgt, dtype=np.float32)          # g = first feature
+        fc[:, :n_embd_tgt] = np.eye(E, n_embd_tgt, dtype=np.float32)  # g = first feature
         t["fc.weight"] = fc
     t["output_norm.weight"] = _ones(E)
     if oracle is not None:
-        t["output.weight"] = oracle.head(2)                                   # own head: E[sigma^2]
+        t["output.weight"] = oracle.head(2)  # own head: E[sigma^2]
     zero_out = 0.0 if oracle is not None else 1.0
     for i in range(n_layer):
         p = f"blk.{i}."
         t[p + "attn_norm.weight"] = _ones(E)
         t[p + "attn_norm_2.weight"] = _ones(E)
-        t[p + "attn_q.weight"] = _mat(rng, H * D, 2 * E)                      # ne {2E, H*D}
+        t[p + "attn_q.weight"] = _mat(rng, H * D, 2 * E)  # ne {2E, H*D}
         t[p + "attn_k.weight"] = _mat(rng, HKV * D, 2 * E)
         t[p + "attn_v.weight"] = _mat(rng, HKV * D, 2 * E)
         t[p + "attn_output.weight"] = _mat(rng, E, H * D, zero_out)
@@ -399,9 +447,16 @@ def _eagle3_tensors(rng: np.random.Generator, n_layer: int = 1, n_embd_tgt: int 
     return t
 
 
-def _write_eagle3(path: pathlib.Path, name: str, voc: Vocab, *, n_layer: int = 1,
-                  target_layers: list[int] = EAGLE3_TARGET_LAYERS, target_hidden: int = E,
-                  oracle: Walk | None = None) -> None:
+def _write_eagle3(
+    path: pathlib.Path,
+    name: str,
+    voc: Vocab,
+    *,
+    n_layer: int = 1,
+    target_layers: list[int] = EAGLE3_TARGET_LAYERS,
+    target_hidden: int = E,
+    oracle: Walk | None = None,
+) -> None:
     rng = _rng(name)
     tensors = _eagle3_tensors(rng, n_layer, target_hidden, len(target_layers), oracle)
     kv = _base_kv(n_layer)
@@ -412,13 +467,22 @@ def _write_eagle3(path: pathlib.Path, name: str, voc: Vocab, *, n_layer: int = 1
 
 # ---- dflash -------------------------------------------------------------------------
 
-def _write_dflash(path: pathlib.Path, name: str, voc: Vocab, *, n_embd: int = E, n_layer: int = 2,
-                  target_layers: list[int] = DFLASH_TARGET_LAYERS, mask_id: int | None = DFLASH_MASK_ID) -> None:
+
+def _write_dflash(
+    path: pathlib.Path,
+    name: str,
+    voc: Vocab,
+    *,
+    n_embd: int = E,
+    n_layer: int = 2,
+    target_layers: list[int] = DFLASH_TARGET_LAYERS,
+    mask_id: int | None = DFLASH_MASK_ID,
+) -> None:
     rng = _rng(name)
     n_head, n_head_kv = (H, HKV) if n_embd == E else (n_embd // D, max(1, n_embd // D // 2))
     hd = D
     t: dict[str, np.ndarray] = {
-        "fc.weight": _mat(rng, n_embd, len(target_layers) * n_embd),          # ne {k*E, E}
+        "fc.weight": _mat(rng, n_embd, len(target_layers) * n_embd),  # ne {k*E, E}
         "enc.output_norm.weight": _ones(n_embd),
         "output_norm.weight": _ones(n_embd),
     }
@@ -448,9 +512,21 @@ def _write_dflash(path: pathlib.Path, name: str, voc: Vocab, *, n_embd: int = E,
 
 # ---- qwen35 (+ NextN / MTP) ---------------------------------------------------------
 
+
 class QDims:
-    def __init__(self, n_embd=E, n_head=H, n_head_kv=HKV, head_dim=D, n_ff=FF, s=Q_S, g=Q_G, r=Q_R,
-                 sections=tuple(Q_SECTIONS), n_trunk=Q_TRUNK):
+    def __init__(
+        self,
+        n_embd=E,
+        n_head=H,
+        n_head_kv=HKV,
+        head_dim=D,
+        n_ff=FF,
+        s=Q_S,
+        g=Q_G,
+        r=Q_R,
+        sections=tuple(Q_SECTIONS),
+        n_trunk=Q_TRUNK,
+    ):
         self.E, self.H, self.HKV, self.D, self.FF = n_embd, n_head, n_head_kv, head_dim, n_ff
         self.S, self.G, self.R = s, g, r
         self.sections = list(sections)
@@ -467,8 +543,16 @@ def _qwen35_is_recurrent(il: int, n_trunk: int, interval: int = 4) -> bool:
     return il < n_trunk and (il + 1) % interval != 0
 
 
-def _write_qwen35(path: pathlib.Path, name: str, voc: Vocab, *, dims: QDims = Q_DEFAULT, walk: Walk | None = None,
-                  conv_dtype=np.float32, head_dtype=np.float32) -> None:
+def _write_qwen35(
+    path: pathlib.Path,
+    name: str,
+    voc: Vocab,
+    *,
+    dims: QDims = Q_DEFAULT,
+    walk: Walk | None = None,
+    conv_dtype=np.float32,
+    head_dtype=np.float32,
+) -> None:
     rng = _rng(name)
     d = dims
     out_scale = WALK_LAYER_SCALE if walk is not None else 1.0
@@ -482,7 +566,7 @@ def _write_qwen35(path: pathlib.Path, name: str, voc: Vocab, *, dims: QDims = Q_
     t["output_norm.weight"] = _ones(d.E)
 
     def attn_block(p: str, wo_scale: float) -> None:
-        t[p + "attn_q.weight"] = _mat(rng, 2 * d.H * d.D, d.E)     # ne {E, 2*H*D}: query + gate
+        t[p + "attn_q.weight"] = _mat(rng, 2 * d.H * d.D, d.E)  # ne {E, 2*H*D}: query + gate
         t[p + "attn_k.weight"] = _mat(rng, d.HKV * d.D, d.E)
         t[p + "attn_v.weight"] = _mat(rng, d.HKV * d.D, d.E)
         t[p + "attn_output.weight"] = _mat(rng, d.E, d.H * d.D, wo_scale)
@@ -499,16 +583,16 @@ def _write_qwen35(path: pathlib.Path, name: str, voc: Vocab, *, dims: QDims = Q_
         t[p + "attn_norm.weight"] = _ones(d.E)
         t[p + "post_attention_norm.weight"] = _ones(d.E)
         if _qwen35_is_recurrent(il, d.n_trunk):
-            t[p + "attn_qkv.weight"] = _mat(rng, d.conv_dim, d.E)               # ne {E, 2SG+SR}
-            t[p + "attn_gate.weight"] = _mat(rng, d.S * d.R, d.E)               # ne {E, SR}
+            t[p + "attn_qkv.weight"] = _mat(rng, d.conv_dim, d.E)  # ne {E, 2SG+SR}
+            t[p + "attn_gate.weight"] = _mat(rng, d.S * d.R, d.E)  # ne {E, SR}
             conv = (rng.standard_normal((d.conv_dim, Q_CONV_K)) / np.sqrt(Q_CONV_K)).astype(np.float32)
-            t[p + "ssm_conv1d.weight"] = conv.astype(conv_dtype)                # ne {K, 2SG+SR}
+            t[p + "ssm_conv1d.weight"] = conv.astype(conv_dtype)  # ne {K, 2SG+SR}
             t[p + "ssm_dt.bias"] = (rng.standard_normal(d.R) * 0.5).astype(np.float32)
-            t[p + "ssm_a"] = (-rng.uniform(0.5, 2.0, d.R)).astype(np.float32)   # -exp(A_log)
-            t[p + "ssm_beta.weight"] = _mat(rng, d.R, d.E)                      # ne {E, R}
+            t[p + "ssm_a"] = (-rng.uniform(0.5, 2.0, d.R)).astype(np.float32)  # -exp(A_log)
+            t[p + "ssm_beta.weight"] = _mat(rng, d.R, d.E)  # ne {E, R}
             t[p + "ssm_alpha.weight"] = _mat(rng, d.R, d.E)
             t[p + "ssm_norm.weight"] = _ones(d.S)
-            t[p + "ssm_out.weight"] = _mat(rng, d.E, d.S * d.R, out_scale)      # ne {SR, E}
+            t[p + "ssm_out.weight"] = _mat(rng, d.E, d.S * d.R, out_scale)  # ne {SR, E}
         else:
             attn_block(p, out_scale)
         ffn_block(p, out_scale)
@@ -523,29 +607,32 @@ def _write_qwen35(path: pathlib.Path, name: str, voc: Vocab, *, dims: QDims = Q_
     ffn_block(p, mtp_out_scale)
     if walk is not None:
         eh = np.zeros((d.E, 2 * d.E), dtype=np.float32)
-        eh[:, :d.E] = np.eye(d.E, dtype=np.float32)                 # [I | 0]: keep only enorm(E[token])
+        eh[:, : d.E] = np.eye(d.E, dtype=np.float32)  # [I | 0]: keep only enorm(E[token])
     else:
         eh = _mat(rng, d.E, 2 * d.E)
-    t[p + "nextn.eh_proj.weight"] = eh                              # ne {2E, E}
+    t[p + "nextn.eh_proj.weight"] = eh  # ne {2E, E}
     t[p + "nextn.enorm.weight"] = _ones(d.E)
     t[p + "nextn.hnorm.weight"] = _ones(d.E)
 
     kv = _base_kv(d.n_trunk + 1, d.E, d.H, d.HKV, d.FF, d.D)
-    kv.update({
-        "{arch}.nextn_predict_layers": 1,
-        "{arch}.rope.dimension_sections": d.sections,
-        "{arch}.rope.freq_base": 10000000.0,
-        "{arch}.ssm.conv_kernel": Q_CONV_K,
-        "{arch}.ssm.inner_size": d.S * d.R,
-        "{arch}.ssm.state_size": d.S,
-        "{arch}.ssm.time_step_rank": d.R,
-        "{arch}.ssm.group_count": d.G,
-        "{arch}.full_attention_interval": 4,
-    })
+    kv.update(
+        {
+            "{arch}.nextn_predict_layers": 1,
+            "{arch}.rope.dimension_sections": d.sections,
+            "{arch}.rope.freq_base": 10000000.0,
+            "{arch}.ssm.conv_kernel": Q_CONV_K,
+            "{arch}.ssm.inner_size": d.S * d.R,
+            "{arch}.ssm.state_size": d.S,
+            "{arch}.ssm.time_step_rank": d.R,
+            "{arch}.ssm.group_count": d.G,
+            "{arch}.full_attention_interval": 4,
+        }
+    )
     _write_gguf(path, "qwen35", kv, t, voc)
 
 
 # ---- bad: unknown arch ----------------------------------------------------------------
+
 
 def _write_unknown_arch(path: pathlib.Path, name: str, voc: Vocab) -> None:
     rng = _rng(name)
@@ -555,6 +642,7 @@ def _write_unknown_arch(path: pathlib.Path, name: str, voc: Vocab) -> None:
 
 
 # ---- registry -----------------------------------------------------------------------
+
 
 def _walks() -> dict[str, Walk]:
     if not hasattr(_walks, "cache"):
@@ -567,9 +655,9 @@ def _walks() -> dict[str, Walk]:
 
 
 def _builders() -> dict[str, Callable[[pathlib.Path], None]]:
-    L = lambda: vocab("llama")   # noqa: E731
+    L = lambda: vocab("llama")  # noqa: E731
     Q = lambda: vocab("qwen35")  # noqa: E731
-    W = lambda k: _walks()[k]    # noqa: E731
+    W = lambda k: _walks()[k]  # noqa: E731
     return {
         # targets and drafts
         "llama": lambda p: _write_llama(p, "llama", L()),
@@ -584,17 +672,31 @@ def _builders() -> dict[str, Callable[[pathlib.Path], None]]:
         "walk-llama-cycle6": lambda p: _write_llama(p, "walk-llama-cycle6", L(), walk=W("walk-llama-cycle6")),
         # broken variants
         "bad-eagle3-2layers": lambda p: _write_eagle3(p, "bad-eagle3-2layers", L(), n_layer=2),
-        "bad-eagle3-layer-range": lambda p: _write_eagle3(p, "bad-eagle3-layer-range", L(), target_layers=[1, 2, 9]),
-        "bad-eagle3-two-layers-ids": lambda p: _write_eagle3(p, "bad-eagle3-two-layers-ids", L(), target_layers=[1, 2]),
+        "bad-eagle3-layer-range": lambda p: _write_eagle3(
+            p, "bad-eagle3-layer-range", L(), target_layers=[1, 2, 9]
+        ),
+        "bad-eagle3-two-layers-ids": lambda p: _write_eagle3(
+            p, "bad-eagle3-two-layers-ids", L(), target_layers=[1, 2]
+        ),
         "bad-eagle3-hidden": lambda p: _write_eagle3(p, "bad-eagle3-hidden", L(), target_hidden=32),
         "bad-eagle3-vocab": lambda p: _write_eagle3(p, "bad-eagle3-vocab", Q()),
         "bad-dflash-layer": lambda p: _write_dflash(p, "bad-dflash-layer", L(), target_layers=[1, N_LAYER]),
         "bad-dflash-nomask": lambda p: _write_dflash(p, "bad-dflash-nomask", L(), mask_id=None),
         "bad-dflash-embd": lambda p: _write_dflash(p, "bad-dflash-embd", L(), n_embd=32),
-        "bad-qwen35-conv-f16": lambda p: _write_qwen35(p, "bad-qwen35-conv-f16", Q(), dims=Q_SMALL,
-                                                       conv_dtype=np.float16, head_dtype=np.float16),
-        "llama-other-vocab": lambda p: _write_llama(p, "llama-other-vocab", Q(), n_layer=2, n_embd=16, n_head=2,
-                                                    n_head_kv=1, n_ff=32, head_dtype=np.float16),
+        "bad-qwen35-conv-f16": lambda p: _write_qwen35(
+            p, "bad-qwen35-conv-f16", Q(), dims=Q_SMALL, conv_dtype=np.float16, head_dtype=np.float16
+        ),
+        "llama-other-vocab": lambda p: _write_llama(
+            p,
+            "llama-other-vocab",
+            Q(),
+            n_layer=2,
+            n_embd=16,
+            n_head=2,
+            n_head_kv=1,
+            n_ff=32,
+            head_dtype=np.float16,
+        ),
         "bad-unknown-arch": lambda p: _write_unknown_arch(p, "bad-unknown-arch", L()),
     }
 
@@ -643,7 +745,7 @@ def main(argv: list[str]) -> int:
         return 2
     t0 = time.time()
     paths = build_all(pathlib.Path(argv[1]))
-    for name, p in paths.items():
+    for _name, p in paths.items():
         print(f"{p}  {p.stat().st_size / 1e6:.1f} MB")
     print(f"done in {time.time() - t0:.1f} s")
     return 0

@@ -1,0 +1,119 @@
+"""Models and contexts: metadata, vocabulary, chat template, zero-copy outputs."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.session import (
+    Batch,
+    Context,
+    ContextConfig,
+    InitError,
+    InvalidArgumentError,
+    Model,
+    Runtime,
+)
+from tests.conftest import ModelCache
+
+
+def test_metadata_and_vocab(models: ModelCache) -> None:
+    m = models("llama")
+    info = m.info
+    assert (info.arch, info.n_layer, info.n_embd, info.n_vocab) == ("llama", 4, 64, 128256)
+    assert info.metadata["general.architecture"] == "llama"
+    assert info.file_size > 0 and info.n_params > 0
+    assert info.eos in info.eog_tokens and m.is_eog(info.eos)
+    eagle = models("llama-eagle3")
+    assert eagle.info.facts.target_layers == [1, 2, 3]
+    assert eagle.info.facts.target_hidden_size == 64
+    q = models("qwen35-mtp", mtp=True)
+    assert q.info.n_layer_nextn == 1 and q.info.is_hybrid
+
+
+def test_tokenize_detokenize_and_pieces(models: ModelCache) -> None:
+    m = models("llama")
+    text = "Hello world, naïve café — 日本語"
+    toks = m.tokenize(text)
+    assert toks[0] == m.info.bos  # add_special
+    assert m.detokenize(toks[1:]) == text
+    assert b"".join(m.token_to_piece(t) for t in toks[1:]).decode() == text
+    assert m.tokenize(text, add_special=False) == toks[1:]
+    with pytest.raises(InvalidArgumentError):
+        m.detokenize([m.n_vocab])
+    with pytest.raises(InvalidArgumentError):
+        m.token_to_piece(-1)
+
+
+def test_chat_template(models: ModelCache) -> None:
+    m = models("llama")
+    text = m.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    )
+    assert "Be brief." in text and "Hi" in text
+    assert text != m.apply_chat_template([{"role": "user", "content": "Hi"}], add_assistant=False)
+    for bad in ([], [{"role": "user"}], [{"role": 1, "content": "x"}], ["hello"]):
+        with pytest.raises(InvalidArgumentError):
+            m.apply_chat_template(bad)  # type: ignore[arg-type]
+
+
+def test_logits_and_embeddings_are_zero_copy_views(models: ModelCache) -> None:
+    m = models("llama")
+    ctx = Context.create(m, ContextConfig(n_ctx=256, n_seq=2, embeddings=True))
+    b = Batch()
+    b.add_sequence([10, 20, 30], 0, 0, logits="all")
+    b.add_sequence([40, 50], 0, 1, logits="last")
+    assert ctx.decode(b) == 4
+    a, again = ctx.logits, ctx.logits
+    assert a.shape == (4, m.n_vocab) and a.dtype == np.float32
+    assert not a.flags.owndata and not a.flags.writeable
+    assert a.__array_interface__["data"][0] == again.__array_interface__["data"][0]
+    first = a[0].copy()
+    emb = ctx.embeddings
+    assert emb.shape == (4, m.info.n_embd) and not emb.flags.owndata
+    # the same token at the same position in another sequence gives the same logits
+    b2 = Batch()
+    b2.add(10, 0, 1, True)
+    ctx.kv_remove(1)
+    ctx.decode(b2)
+    np.testing.assert_allclose(ctx.logits[0], first, rtol=1e-3, atol=1e-3)
+    ctx_no_emb = Context.create(m, ContextConfig(n_ctx=256))
+    b3 = Batch()
+    b3.add(10, 0, 0, True)
+    ctx_no_emb.decode(b3)
+    with pytest.raises(InvalidArgumentError, match="embeddings"):
+        _ = ctx_no_emb.embeddings
+
+
+def test_kv_bookkeeping(models: ModelCache) -> None:
+    ctx = Context.create(models("llama"), ContextConfig(n_ctx=256, n_seq=2))
+    assert ctx.seq_pos_max(0) == -1
+    b = Batch()
+    b.add_sequence(list(range(100, 110)), 0, 0, logits="none")
+    ctx.decode(b)
+    assert (ctx.seq_pos_min(0), ctx.seq_pos_max(0)) == (0, 9)
+    assert ctx.kv_remove(0, 5, None)
+    assert ctx.seq_pos_max(0) == 4
+    assert ctx.kv_remove(None)
+    assert ctx.seq_pos_max(0) == -1
+
+
+def test_vocab_only_models_tokenize_but_cannot_back_a_context(
+    runtime: Runtime, model_paths: dict[str, Path]
+) -> None:
+    m = Model.load(runtime, model_paths["llama"], vocab_only=True)
+    assert m.tokenize("hi", add_special=False)
+    with pytest.raises(InitError, match="vocab-only"):
+        Context.create(m, ContextConfig(n_ctx=64))
+
+
+def test_type_stubs_are_shipped() -> None:
+    spec = importlib.util.find_spec("engine._nb_spec")
+    assert spec is not None and spec.origin is not None
+    folder = Path(spec.origin).parent
+    stub = folder / "_nb_spec.pyi"
+    assert stub.is_file() and "class SpecSession" in stub.read_text()
+    assert (folder / "py.typed").is_file()
