@@ -1,11 +1,25 @@
 """An asyncio serving engine with batched speculative decoding on llama.cpp.
 
-The low-level, synchronous speculative session lives in :mod:`engine.session`.
+``Engine`` (with ``EngineConfig`` and ``SamplingParams``) serves many concurrent requests;
+the low-level, synchronous speculative session lives in :mod:`engine.session`.
 """
 
 from __future__ import annotations
 
 from . import session
+from .scheduler import (
+    Delta,
+    Engine,
+    EngineConfig,
+    EngineMetrics,
+    FinishReason,
+    QueueFullError,
+    RequestError,
+    RequestMetrics,
+    RequestOutput,
+    SamplingParams,
+    UnknownRequestError,
+)
 from .session import (
     Batch,
     Context,
@@ -21,10 +35,21 @@ __all__ = [
     "Batch",
     "Context",
     "ContextConfig",
+    "Delta",
+    "Engine",
+    "EngineConfig",
+    "EngineMetrics",
+    "FinishReason",
     "Model",
+    "QueueFullError",
+    "RequestError",
+    "RequestMetrics",
+    "RequestOutput",
     "Runtime",
+    "SamplingParams",
     "SessionError",
     "SpeculativeConfig",
     "SpeculativeSession",
+    "UnknownRequestError",
     "session",
 ]

@@ -40,6 +40,31 @@ struct Error : std::runtime_error {
         : std::runtime_error(std::move(message)), kind(kind), reason(std::move(reason)) {}
 };
 
+// The engine.session.errors class a kind maps onto.
+inline const char * error_kind_name(ErrorKind k) {
+    switch (k) {
+        case ErrorKind::Init: return "InitError";
+        case ErrorKind::ModelLoad: return "ModelLoadError";
+        case ErrorKind::Process: return "ProcessError";
+        case ErrorKind::Begin: return "BeginError";
+        case ErrorKind::Draft: return "DraftError";
+        case ErrorKind::Accept: return "AcceptError";
+        case ErrorKind::PromptTooLong: return "PromptTooLongError";
+        case ErrorKind::IncompatibleContexts: return "IncompatibleContextsError";
+        case ErrorKind::BadSeqId: return "BadSeqIdError";
+        case ErrorKind::InvalidConfig: return "InvalidConfigError";
+        case ErrorKind::InvalidArgument: return "InvalidArgumentError";
+        case ErrorKind::Decode: return "DecodeError";
+        case ErrorKind::ProposalPending: return "ProposalPendingError";
+        case ErrorKind::NoPendingProposal: return "NoPendingProposalError";
+        case ErrorKind::AcceptedTooMany: return "AcceptedTooManyError";
+        case ErrorKind::State: return "StateError";
+        case ErrorKind::NotQuiescent: return "NotQuiescentError";
+        case ErrorKind::Closed: return "ClosedError";
+    }
+    return "SessionError";
+}
+
 [[noreturn]] inline void fail(ErrorKind kind, const std::string & message) {
     throw Error(kind, message, message);
 }

@@ -4,6 +4,7 @@
 #include "executor.h"
 #include "model.h"
 #include "spec_session.h"
+#include "step.h"
 
 #include "log.h"
 
@@ -177,6 +178,10 @@ struct ContextHandle : Handle<Context> {
     std::shared_ptr<Outputs> out = std::make_shared<Outputs>();
 };
 
+struct RunnerHandle : Handle<StepRunner> {
+    ModelInfo info;
+};
+
 struct SessionHandle : Handle<SpecSession> {
     SpecConfig config;
     nb::object target_ref, draft_ref;
@@ -197,30 +202,6 @@ nb::bytes to_bytes(const std::vector<uint8_t> & v) {
     return nb::bytes(reinterpret_cast<const char *>(v.data()), v.size());
 }
 
-const char * kind_name(ErrorKind k) {
-    switch (k) {
-        case ErrorKind::Init: return "InitError";
-        case ErrorKind::ModelLoad: return "ModelLoadError";
-        case ErrorKind::Process: return "ProcessError";
-        case ErrorKind::Begin: return "BeginError";
-        case ErrorKind::Draft: return "DraftError";
-        case ErrorKind::Accept: return "AcceptError";
-        case ErrorKind::PromptTooLong: return "PromptTooLongError";
-        case ErrorKind::IncompatibleContexts: return "IncompatibleContextsError";
-        case ErrorKind::BadSeqId: return "BadSeqIdError";
-        case ErrorKind::InvalidConfig: return "InvalidConfigError";
-        case ErrorKind::InvalidArgument: return "InvalidArgumentError";
-        case ErrorKind::Decode: return "DecodeError";
-        case ErrorKind::ProposalPending: return "ProposalPendingError";
-        case ErrorKind::NoPendingProposal: return "NoPendingProposalError";
-        case ErrorKind::AcceptedTooMany: return "AcceptedTooManyError";
-        case ErrorKind::State: return "StateError";
-        case ErrorKind::NotQuiescent: return "NotQuiescentError";
-        case ErrorKind::Closed: return "ClosedError";
-    }
-    return "SessionError";
-}
-
 void translate(const std::exception_ptr & p, void *) {
     try {
         std::rethrow_exception(p);
@@ -238,7 +219,7 @@ void translate(const std::exception_ptr & p, void *) {
         put("proposed", e.proposed);
         put("code", e.code);
         if (!e.reason.empty()) details["reason"] = e.reason;
-        nb::object cls = errors.attr(kind_name(e.kind));
+        nb::object cls = errors.attr(error_kind_name(e.kind));
         nb::object exc = cls(e.what(), **details);
         PyErr_SetObject(cls.ptr(), exc.ptr());
     }
@@ -365,6 +346,17 @@ NB_MODULE(_nb_spec, m) {
                     return h.lock()->tokenize(text, add_special, parse_special);
                 });
             }, "text"_a, "add_special"_a = true, "parse_special"_a = false)
+        .def("tokenize_async", [](ModelHandle & h, const std::string & text, bool add_special, bool parse_special) {
+                return run_async(executor_of(h), [weak = h.weak, text, add_special, parse_special] {
+                    return lock_weak(weak)->tokenize(text, add_special, parse_special);
+                });
+            }, "text"_a, "add_special"_a = true, "parse_special"_a = false)
+        .def("apply_chat_template_async", [](ModelHandle & h, const std::vector<std::pair<std::string, std::string>> & msgs,
+                                             bool add_assistant, const std::string & tmpl) {
+                return run_async(executor_of(h), [weak = h.weak, msgs, add_assistant, tmpl] {
+                    return lock_weak(weak)->apply_chat_template(msgs, add_assistant, tmpl);
+                });
+            }, "messages"_a, "add_assistant"_a = true, "template"_a = "")
         .def("detokenize", [](ModelHandle & h, const std::vector<int32_t> & tokens, bool remove_special,
                               bool unparse_special) {
                 std::string s = run_sync(executor_of(h), [&h, tokens, remove_special, unparse_special] {
@@ -597,4 +589,92 @@ NB_MODULE(_nb_spec, m) {
         .def("clear_draft_kv", [](SessionHandle & h, int64_t seq_id, int64_t p0, int64_t p1) {
                 return run_sync(executor_of(h), [&h, seq_id, p0, p1] { return h.lock()->clear_draft_kv(seq_id, p0, p1); });
             }, "seq_id"_a = -1, "p0"_a = -1, "p1"_a = -1);
+
+    // --- the engine step ----------------------------------------------------------------
+    nb::class_<SamplerParams>(m, "SamplerParams")
+        .def(nb::init<>())
+        .def_rw("temperature", &SamplerParams::temperature)
+        .def_rw("top_k", &SamplerParams::top_k)
+        .def_rw("top_p", &SamplerParams::top_p)
+        .def_rw("min_p", &SamplerParams::min_p)
+        .def_rw("seed", &SamplerParams::seed)
+        .def_rw("penalty_last_n", &SamplerParams::penalty_last_n)
+        .def_rw("repetition_penalty", &SamplerParams::repetition_penalty)
+        .def_rw("presence_penalty", &SamplerParams::presence_penalty)
+        .def_rw("frequency_penalty", &SamplerParams::frequency_penalty)
+        .def_rw("ignore_eos", &SamplerParams::ignore_eos)
+        .def_rw("grammar", &SamplerParams::grammar)
+        .def_rw("json_schema", &SamplerParams::json_schema);
+
+    nb::class_<StepPlan>(m, "StepPlan", "What one engine step does; filled by the scheduler.")
+        .def(nb::init<>())
+        .def("capture", [](StepPlan & p, int32_t seq) { p.captures.push_back(seq); }, "seq"_a)
+        .def("clear", [](StepPlan & p, int32_t seq) { p.clears.push_back(seq); }, "seq"_a)
+        .def("restore", [](StepPlan & p, int32_t seq, nb::bytes target, nb::bytes draft, nb::bytes spec) {
+                p.restores.push_back({seq, to_vec(target), to_vec(draft), to_vec(spec)});
+            }, "seq"_a, "target"_a, "draft"_a, "spec"_a)
+        .def("configure", [](StepPlan & p, int32_t seq, const SamplerParams & params,
+                             std::vector<int32_t> replay_prompt, std::vector<int32_t> replay_generated) {
+                p.configures.push_back({seq, params, std::move(replay_prompt), std::move(replay_generated)});
+            }, "seq"_a, "params"_a, "replay_prompt"_a = std::vector<int32_t>{},
+            "replay_generated"_a = std::vector<int32_t>{})
+        .def("work", [](StepPlan & p, int32_t seq, std::vector<int32_t> tokens, int32_t pos0, bool sample,
+                        int32_t n_draft, bool begin) {
+                p.work.push_back({seq, std::move(tokens), pos0, sample, n_draft, begin});
+            }, "seq"_a, "tokens"_a, "pos0"_a, "sample"_a, "n_draft"_a = 0, "begin"_a = false)
+        .def_prop_ro("n_work", [](const StepPlan & p) { return p.work.size(); });
+
+    nb::class_<StepOutput>(m, "StepOutput")
+        .def_ro("seq", &StepOutput::seq)
+        .def_ro("tokens", &StepOutput::tokens)
+        .def_prop_ro("pieces", [](const StepOutput & o) {
+            nb::list out;
+            for (const auto & p : o.pieces) out.append(nb::bytes(p.data(), p.size()));
+            return out;
+        })
+        .def_ro("drafted", &StepOutput::drafted)
+        .def_ro("accepted", &StepOutput::accepted)
+        .def_ro("n_past", &StepOutput::n_past);
+    nb::class_<StepCapture>(m, "StepCapture")
+        .def_ro("seq", &StepCapture::seq)
+        .def_prop_ro("target", [](const StepCapture & c) { return to_bytes(c.target); })
+        .def_prop_ro("draft", [](const StepCapture & c) { return to_bytes(c.draft); })
+        .def_prop_ro("spec", [](const StepCapture & c) { return to_bytes(c.spec); });
+    nb::class_<StepError>(m, "StepError")
+        .def_ro("seq", &StepError::seq)
+        .def_ro("kind", &StepError::kind)
+        .def_ro("message", &StepError::message);
+    nb::class_<StepResult>(m, "StepResult")
+        .def_ro("outputs", &StepResult::outputs)
+        .def_ro("captures", &StepResult::captures)
+        .def_ro("errors", &StepResult::errors)
+        .def_ro("n_decode_calls", &StepResult::n_decode_calls)
+        .def_ro("n_draft_calls", &StepResult::n_draft_calls)
+        .def_ro("n_batch_tokens", &StepResult::n_batch_tokens)
+        .def_ro("t_draft_us", &StepResult::t_draft_us)
+        .def_ro("t_decode_us", &StepResult::t_decode_us)
+        .def_ro("t_verify_us", &StepResult::t_verify_us)
+        .def_ro("t_total_us", &StepResult::t_total_us);
+
+    nb::class_<RunnerHandle>(m, "StepRunner", "Executes engine steps over a speculative session.")
+        .def_static("create", [](SessionHandle & session) {
+                auto h = std::make_shared<RunnerHandle>();
+                auto ex = session.ex;
+                run_sync(*ex, [ex, h_raw = h.get(), &session] {
+                    auto r = std::make_shared<StepRunner>(session.lock());
+                    h_raw->adopt(ex, r);
+                });
+                return h;
+            }, "session"_a)
+        .def("step_async", [](RunnerHandle & h, const StepPlan & plan) {
+                return run_async(executor_of(h), [weak = h.weak, plan] { return lock_weak(weak)->run(plan); });
+            }, "plan"_a)
+        .def("step", [](RunnerHandle & h, const StepPlan & plan) {
+                return run_sync(executor_of(h), [&h, plan] { return h.lock()->run(plan); });
+            }, "plan"_a)
+        .def("check_sampler", [](RunnerHandle & h, const SamplerParams & params) {
+                run_sync(executor_of(h), [&h, params] {
+                    make_sampler(*h.lock()->session()->target()->model(), params);
+                });
+            }, "params"_a, "Validate sampling parameters (grammar, JSON schema) without a slot.");
 }

@@ -67,6 +67,7 @@ class GreedyLoop:
         self.outputs: dict[int, list[int]] = {}
         self.drafted: dict[int, int] = {}
         self.accepted: dict[int, int] = {}
+        self.drafts: dict[int, list[list[int]]] = {}
         self.rounds = 0
 
     def start(self, seq_id: int, prompt: list[int]) -> None:
@@ -79,6 +80,7 @@ class GreedyLoop:
         self.outputs[seq_id] = []
         self.drafted[seq_id] = 0
         self.accepted[seq_id] = 0
+        self.drafts[seq_id] = []
 
     def step(self, seqs: list[int]) -> None:
         """One round: one draft call, one target decode, verify, accept, trim the KV."""
@@ -104,6 +106,7 @@ class GreedyLoop:
                     continue
                 break
             n_acc = len(emitted) - 1
+            self.drafts[s].append(list(d))
             if d:
                 session.accept(s, n_acc)
                 self.drafted[s] += len(d)

@@ -94,6 +94,10 @@ def _unpack(archive: Path, dest: Path) -> None:
                 if m.name:
                     members.append(m)
         tar.extractall(staging, members=members, filter="data")
+    # fresh mtimes: a re-fetched tree (other pin or patch set) must rebuild, not reuse
+    # objects of files the archive dates in the past
+    for path in staging.rglob("*"):
+        os.utime(path, follow_symlinks=False)
     for patch in sorted(PATCHES.glob("*.patch")):
         subprocess.run(
             ["patch", "-p1", "--forward", "--quiet", "-d", str(staging), "-i", str(patch)], check=True

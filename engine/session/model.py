@@ -133,6 +133,10 @@ class Model:
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
         return self.native.tokenize(text, add_special, parse_special)
 
+    async def atokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        """:meth:`tokenize` without blocking the event loop."""
+        return list(await self.runtime.wait(self.native.tokenize_async(text, add_special, parse_special)))
+
     def detokenize(
         self, tokens: Sequence[int], *, remove_special: bool = False, unparse_special: bool = False
     ) -> str:
@@ -150,20 +154,25 @@ class Model:
         """The bytes of one token (may be part of a multi-byte character)."""
         return self.native.token_to_piece(token, special)
 
-    def apply_chat_template(
-        self, messages: Sequence[dict[str, str]], *, add_assistant: bool = True, template: str | None = None
-    ) -> str:
+    def apply_chat_template(self, messages: Sequence[dict[str, str]], *, add_assistant: bool = True,
+                            template: str | None = None) -> str:
         """Render chat messages with the model's template (llama.cpp's built-in renderers).
 
         :raises InvalidArgumentError: malformed messages or an unsupported template.
         """
+        pairs, tmpl = self._chat_args(messages, template)
+        return self.native.apply_chat_template(pairs, add_assistant, tmpl)
+
+    async def aapply_chat_template(self, messages: Sequence[dict[str, str]], *, add_assistant: bool = True,
+                                   template: str | None = None) -> str:
+        """:meth:`apply_chat_template` without blocking the event loop."""
+        pairs, tmpl = self._chat_args(messages, template)
+        return str(await self.runtime.wait(self.native.apply_chat_template_async(pairs, add_assistant, tmpl)))
+
+    def _chat_args(self, messages: Sequence[dict[str, str]], template: str | None) -> tuple[list[tuple[str, str]], str]:
         pairs: list[tuple[str, str]] = []
         for i, m in enumerate(messages):
-            if (
-                not isinstance(m, dict)
-                or not isinstance(m.get("role"), str)
-                or not isinstance(m.get("content"), str)
-            ):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise InvalidArgumentError(
                     f"message {i} must be a dict with string 'role' and 'content'", reason="bad message"
                 )
@@ -173,7 +182,7 @@ class Model:
         tmpl = template or self.chat_template
         if not tmpl:
             raise InvalidArgumentError("the model has no chat template; pass one", reason="no template")
-        return self.native.apply_chat_template(pairs, add_assistant, tmpl)
+        return pairs, tmpl
 
     def is_eog(self, token: int) -> bool:
         return token in self._eog

