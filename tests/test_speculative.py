@@ -6,7 +6,7 @@ import pytest
 
 from engine.session import ContextConfig, SpeculativeConfig, SpeculativeSession
 from tests.conftest import ModelCache
-from tests.spec_loop import greedy_plain, speculative_greedy
+from tests.spec_loop import greedy_plain_margins, speculative_greedy, tie_safe_prefix
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -66,8 +66,13 @@ def test_speculative_greedy_equals_plain_greedy(
     prompts = [tm.tokenize(t) for t in TEXTS]
     session = open_session(models, target, draft, spec, extra, mtp, n_seq=len(prompts))
     run = speculative_greedy(session, prompts, N_NEW)
-    for prompt, out in zip(prompts, run.outputs, strict=False):
-        assert out == greedy_plain(tm, prompt, N_NEW), name
+    compared = 0
+    for prompt, out in zip(prompts, run.outputs, strict=True):
+        exp, margins = greedy_plain_margins(tm, prompt, N_NEW)
+        k = tie_safe_prefix(margins)  # random weights: exact up to the first near-tie
+        assert out[:k] == exp[:k], name
+        compared += k
+    assert compared >= 0.75 * len(prompts) * N_NEW
     assert session.is_quiescent()
     stats = session.stats()
     assert stats.n_drafted == sum(run.drafted)

@@ -64,6 +64,8 @@ class EngineMetrics:
     steps: int = 0
     decode_calls: int = 0
     draft_calls: int = 0
+    max_decode_calls_per_step: int = 0  #: 1 unless a step's batch exceeded n_batch
+    max_draft_calls_per_step: int = 0   #: always <= 1: one draft call for every sequence
     batch_tokens: int = 0
     occupancy_sum: float = 0.0  #: sum over steps of active sequences / n_seq
     generated_tokens: int = 0
@@ -367,6 +369,8 @@ class Engine:
         m.steps += 1
         m.decode_calls += result.n_decode_calls
         m.draft_calls += result.n_draft_calls
+        m.max_decode_calls_per_step = max(m.max_decode_calls_per_step, result.n_decode_calls)
+        m.max_draft_calls_per_step = max(m.max_draft_calls_per_step, result.n_draft_calls)
         m.batch_tokens += result.n_batch_tokens
         m.occupancy_sum += len({w.request.slot for w in plan.work}) / self.config.n_seq
         m.last_step = {"decode_calls": result.n_decode_calls, "draft_calls": result.n_draft_calls,

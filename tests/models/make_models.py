@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-VERSION = "tiny-gguf-v2"
+VERSION = "tiny-gguf-v3"
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 VENDOR = REPO_ROOT / "vendor" / "llama.cpp"
@@ -300,10 +300,11 @@ def _random_embd(rng: np.random.Generator, n_vocab: int, n_embd: int) -> np.ndar
     return rng.standard_normal((n_vocab, n_embd)).astype(np.float16)
 
 
-def _random_head(rng: np.random.Generator, voc: Vocab, n_embd: int, dtype=np.float32) -> np.ndarray:
+def _random_head(rng: np.random.Generator, voc: Vocab, n_embd: int, dtype=np.float32,
+                 logit_std: float = LOGIT_STD) -> np.ndarray:
     """Untied output with logit std ~LOGIT_STD; special-token rows are zero, so a random
     target never emits EOS/EOT or other control tokens (their logit 0 is far below the max)."""
-    out = rng.standard_normal((voc.n_vocab, n_embd)).astype(np.float32) * (LOGIT_STD / np.sqrt(n_embd))
+    out = rng.standard_normal((voc.n_vocab, n_embd)).astype(np.float32) * (logit_std / np.sqrt(n_embd))
     out[voc.special_ids()] = 0.0
     return out.astype(dtype)
 
@@ -394,11 +395,12 @@ def _write_llama(
     n_ff: int = FF,
     walk: Walk | None = None,
     head_dtype=np.float32,
+    logit_std: float = LOGIT_STD,
 ) -> None:
     rng = _rng(name)
     if walk is None:
         tok = _random_embd(rng, voc.n_vocab, n_embd)
-        out = _random_head(rng, voc, n_embd, head_dtype)
+        out = _random_head(rng, voc, n_embd, head_dtype, logit_std)
         layers = _llama_layers(rng, n_layer, n_embd, n_head, n_head_kv, n_ff)
     else:
         tok = walk.token_embd()
@@ -661,6 +663,8 @@ def _builders() -> dict[str, Callable[[pathlib.Path], None]]:
     return {
         # targets and drafts
         "llama": lambda p: _write_llama(p, "llama", L()),
+        # softer logits (std 8): at temperature 1 a handful of tokens share the mass
+        "llama-soft": lambda p: _write_llama(p, "llama-soft", L(), logit_std=8.0),
         "llama-eagle3": lambda p: _write_eagle3(p, "llama-eagle3", L()),
         "llama-dflash": lambda p: _write_dflash(p, "llama-dflash", L()),
         "qwen35-mtp": lambda p: _write_qwen35(p, "qwen35-mtp", Q()),
