@@ -77,6 +77,51 @@ common_sampler_ptr make_sampler(const Model & model, const SamplerParams & sp) {
 
 StepRunner::StepRunner(std::shared_ptr<SpecSession> session) : session_(std::move(session)) {
     samplers_.resize(session_->config().n_seq);
+    plain_greedy_.assign(session_->config().n_seq, false);
+    ignore_eos_.assign(session_->config().n_seq, false);
+}
+
+static bool is_plain_greedy(const SamplerParams & p) {
+    return p.temperature <= 0.0f && p.repetition_penalty == 1.0f && p.presence_penalty == 0.0f &&
+           p.frequency_penalty == 0.0f && p.grammar.empty() && p.json_schema.empty();
+}
+
+std::vector<llama_token> StepRunner::verify(int32_t seq, const std::vector<int> & idxs,
+                                            const std::vector<llama_token> & draft) {
+    Context & target = *session_->target();
+    if (!plain_greedy_[seq]) {
+        return common_sampler_sample_and_accept_n(samplers_[seq].get(), target.get(), idxs, draft);
+    }
+    // same result as the greedy sampler chain: argmax (EOG tokens excluded under ignore_eos)
+    const ModelInfo & info = target.model()->info();
+    const int32_t n_vocab = info.n_vocab;
+    std::vector<llama_token> out;
+    for (size_t i = 0; i < idxs.size(); ++i) {
+        const float * row = llama_get_logits_ith(target.get(), idxs[i]);
+        llama_token best = 0;
+        float best_v = -std::numeric_limits<float>::infinity();
+        for (llama_token t = 0; t < n_vocab; ++t) {
+            if (row[t] > best_v) {
+                best_v = row[t];
+                best = t;
+            }
+        }
+        if (ignore_eos_[seq] && std::find(info.eog_tokens.begin(), info.eog_tokens.end(), best) != info.eog_tokens.end()) {
+            best_v = -std::numeric_limits<float>::infinity();
+            for (llama_token t = 0; t < n_vocab; ++t) {
+                if (row[t] > best_v && std::find(info.eog_tokens.begin(), info.eog_tokens.end(), t) == info.eog_tokens.end()) {
+                    best_v = row[t];
+                    best = t;
+                }
+            }
+        }
+        out.push_back(best);
+        const bool eog = !ignore_eos_[seq] &&
+                         std::find(info.eog_tokens.begin(), info.eog_tokens.end(), best) != info.eog_tokens.end();
+        // as upstream: no draft is accepted past an end-of-generation token
+        if (i == draft.size() || draft[i] != best || eog) break;
+    }
+    return out;
 }
 
 void StepRunner::clear_slot(int32_t seq) {
@@ -155,6 +200,8 @@ StepResult StepRunner::run_unchecked(const StepPlan & plan) {
             for (int32_t t : c.replay_prompt) common_sampler_accept(smpl.get(), t, false);
             for (int32_t t : c.replay_generated) common_sampler_accept(smpl.get(), t, true);
             samplers_[c.seq] = std::move(smpl);
+            plain_greedy_[c.seq] = is_plain_greedy(c.params);
+            ignore_eos_[c.seq] = c.params.ignore_eos;
         } catch (const std::exception & e) {
             fail_seq(c.seq, e);
         }
@@ -257,7 +304,7 @@ StepResult StepRunner::run_unchecked(const StepPlan & plan) {
             if (w.sample) {
                 std::vector<int> idxs(d.size() + 1);
                 for (size_t i = 0; i < idxs.size(); ++i) idxs[i] = sp.start + n_tok - 1 + static_cast<int>(i);
-                out.tokens = common_sampler_sample_and_accept_n(samplers_[w.seq].get(), target.get(), idxs, d);
+                out.tokens = verify(w.seq, idxs, d);
                 n_acc = static_cast<int32_t>(out.tokens.size()) - 1;
                 if (!d.empty()) s.accept(w.seq, n_acc);
                 for (int32_t t : out.tokens) out.pieces.push_back(model.token_to_piece(t, false));

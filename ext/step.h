@@ -102,8 +102,15 @@ public:
 private:
     StepResult run_unchecked(const StepPlan & plan);
     void clear_slot(int32_t seq);
+    std::vector<llama_token> verify(int32_t seq, const std::vector<int> & idxs,
+                                    const std::vector<llama_token> & draft);
+
     std::shared_ptr<SpecSession> session_;
     std::vector<common_sampler_ptr> samplers_;
+    // plain greedy (temperature 0, no penalties, no grammar): verified by argmax over the
+    // logits, skipping the sampler chain's full-vocabulary candidate array
+    std::vector<bool> plain_greedy_;
+    std::vector<bool> ignore_eos_;
 };
 
 }  // namespace engine

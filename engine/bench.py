@@ -1,0 +1,184 @@
+"""Load benchmark: N concurrent streams through the engine, speculation on and off, against
+the raw batched-decode throughput of the same model measured in the same run.
+
+The raw figure is llama.cpp decoding one token for each of N sequences per call, with no
+scheduling, sampling or drafting: the ceiling the engine's no-speculation throughput is
+compared with (their ratio is the engine's overhead).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .scheduler import Engine, EngineConfig, SamplingParams
+from .session import Batch, Context, ContextConfig, Model, Runtime
+
+__all__ = ["PROMPTS", "BenchResult", "measure_raw", "percentile", "raw_decode_throughput", "run_load", "summarize"]
+
+#: a mixed set; the code-like prompts repeat themselves, which is where n-gram drafting helps
+PROMPTS = [
+    "Write a Python function that prints the numbers from 1 to 20, one per line.",
+    "List the days of the week, then list them again in reverse order.",
+    "Explain in three sentences why the sky is blue.",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
+    "# Now the same function with a loop:\n",
+    "Translate to French: The cat sits on the mat. The dog sits on the mat. The bird sits on",
+    "Once upon a time, in a small village by the sea,",
+    "Count from one to thirty in words: one, two, three,",
+    "Here is a JSON list of five fruits with their colors:\n[",
+]
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = (len(s) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+@dataclass
+class BenchResult:
+    n_streams: int
+    speculative: str
+    requests: int
+    tokens: int
+    seconds: float
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+    e2e: list[float] = field(default_factory=list)
+    drafted: int = 0
+    accepted: int = 0
+    decode_steps: int = 0
+    occupancy: float = 0.0
+    raw_tokens_per_s: float | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.requests / self.seconds if self.seconds else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1 + self.accepted / self.decode_steps if self.decode_steps else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "n_streams": self.n_streams, "speculative": self.speculative, "requests": self.requests,
+            "tokens": self.tokens, "seconds": round(self.seconds, 3),
+            "tokens_per_s": round(self.tokens_per_s, 2), "requests_per_s": round(self.requests_per_s, 3),
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_acceptance_length": round(self.mean_acceptance_length, 3),
+            "batch_occupancy": round(self.occupancy, 3),
+            **{f"ttft_p{int(q * 100)}": round(percentile(self.ttft, q), 4) for q in (0.5, 0.9, 0.99)},
+            **{f"itl_p{int(q * 100)}": round(percentile(self.itl, q), 4) for q in (0.5, 0.9, 0.99)},
+            **{f"e2e_p{int(q * 100)}": round(percentile(self.e2e, q), 4) for q in (0.5, 0.9, 0.99)},
+            "raw_decode_tokens_per_s": None if self.raw_tokens_per_s is None else round(self.raw_tokens_per_s, 2),
+        }
+
+
+def raw_decode_throughput(model: Model, n_parallel: int, n_tokens: int = 32, threads: int = 0,
+                          prompt_len: int = 16) -> float:
+    """Tokens/s of llama.cpp decoding one token for each of ``n_parallel`` sequences per
+    call (after a short prompt each), with no scheduling: the decode ceiling."""
+    ctx = Context.create(model, ContextConfig(n_ctx=(prompt_len + n_tokens + 8) * n_parallel, n_seq=n_parallel,
+                                              n_batch=max(512, n_parallel), threads=threads),
+                         n_outputs_max=n_parallel, n_outputs_max_per_seq=1)
+    tok = model.tokenize("The", add_special=False)[0]
+    b = Batch()
+    for s in range(n_parallel):
+        b.add_sequence([tok] * prompt_len, 0, s, logits="last")
+    ctx.decode(b)
+    step = Batch()
+    for s in range(n_parallel):
+        step.add(tok, 0, s, True)
+    # warm up once, then time
+    t0 = 0.0
+    for i in range(n_tokens + 1):
+        if i == 1:
+            t0 = time.perf_counter()
+        step.pos = [prompt_len + i] * n_parallel
+        ctx.decode(step)
+    return n_parallel * n_tokens / (time.perf_counter() - t0)
+
+
+async def run_load(config: EngineConfig, n_streams: int, n_requests: int, max_tokens: int,
+                   prompts: list[str] | None = None, progress: Any = None) -> BenchResult:
+    """``n_requests`` requests through ``n_streams`` concurrent streams of one engine."""
+    prompts = prompts or PROMPTS
+    result = BenchResult(n_streams, config.spec.type, 0, 0, 0.0)
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(n_requests):
+        queue.put_nowait(i)
+    async with Engine(config) as engine:
+        # warm-up: one short request, not measured
+        await engine.generate(prompts[0], SamplingParams(max_tokens=4))
+        steps0, occ0 = engine.metrics.steps, engine.metrics.occupancy_sum
+
+        async def worker() -> None:
+            while not queue.empty():
+                i = queue.get_nowait()
+                t0 = time.perf_counter()
+                last = None
+                n = 0
+                async for delta in engine.stream(prompts[i % len(prompts)],
+                                                 SamplingParams(max_tokens=max_tokens, ignore_eos=True)):
+                    now = time.perf_counter()
+                    if delta.token_ids:
+                        if last is None:
+                            result.ttft.append(now - t0)
+                        else:
+                            result.itl.append((now - last) / len(delta.token_ids))
+                        last = now
+                        n += len(delta.token_ids)
+                result.e2e.append(time.perf_counter() - t0)
+                result.tokens += n
+                result.requests += 1
+                if progress is not None:
+                    progress(n)
+
+        start = time.perf_counter()
+        m = engine.metrics
+        drafted0, accepted0 = m.drafted, m.accepted
+        await asyncio.gather(*(worker() for _ in range(n_streams)))
+        result.seconds = time.perf_counter() - start
+        result.drafted = m.drafted - drafted0
+        result.accepted = m.accepted - accepted0
+        steps = m.steps - steps0
+        result.occupancy = (m.occupancy_sum - occ0) / steps if steps else 0.0
+        # each verification of a sequence emits 1 + its accepted drafts
+        result.decode_steps = result.tokens - result.accepted
+    return result
+
+
+def summarize(results: list[BenchResult]) -> str:
+    """A table: engine tok/s, raw decode tok/s, their ratio, acceptance, latencies."""
+    head = (f"{'N':>4} {'spec':>14} {'tok/s':>8} {'raw tok/s':>10} {'ratio':>6} {'req/s':>6} {'accept':>7} "
+            f"{'acc.len':>7} {'occup':>6} {'TTFT p50/p90/p99 (s)':>22} {'ITL p50/p90/p99 (ms)':>22}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        raw = r.raw_tokens_per_s
+        ratio = f"{r.tokens_per_s / raw:6.2f}" if raw else "     -"
+        ttft = "/".join(f"{percentile(r.ttft, q):.2f}" for q in (0.5, 0.9, 0.99))
+        itl = "/".join(f"{1000 * percentile(r.itl, q):.0f}" for q in (0.5, 0.9, 0.99))
+        lines.append(f"{r.n_streams:>4} {r.speculative:>14} {r.tokens_per_s:8.1f} "
+                     f"{(raw or float('nan')):10.1f} {ratio} {r.requests_per_s:6.2f} {r.acceptance_rate:7.1%} "
+                     f"{r.mean_acceptance_length:7.2f} {r.occupancy:6.2f} {ttft:>22} {itl:>22}")
+    return "\n".join(lines)
+
+
+def measure_raw(model_path: str, n_values: list[int], threads: int) -> dict[int, float]:
+    with Runtime() as rt:
+        model = Model.load(rt, model_path)
+        return {n: raw_decode_throughput(model, n, threads=threads) for n in n_values}
