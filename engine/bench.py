@@ -16,7 +16,15 @@ from typing import Any
 from .scheduler import Engine, EngineConfig, SamplingParams
 from .session import Batch, Context, ContextConfig, Model, Runtime
 
-__all__ = ["PROMPTS", "BenchResult", "measure_raw", "percentile", "raw_decode_throughput", "run_load", "summarize"]
+__all__ = [
+    "PROMPTS",
+    "BenchResult",
+    "measure_raw",
+    "percentile",
+    "raw_decode_throughput",
+    "run_load",
+    "summarize",
+]
 
 #: a mixed set; the code-like prompts repeat themselves, which is where n-gram drafting helps
 PROMPTS = [
@@ -75,31 +83,46 @@ class BenchResult:
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "n_streams": self.n_streams, "speculative": self.speculative, "requests": self.requests,
-            "tokens": self.tokens, "seconds": round(self.seconds, 3),
-            "tokens_per_s": round(self.tokens_per_s, 2), "requests_per_s": round(self.requests_per_s, 3),
+            "n_streams": self.n_streams,
+            "speculative": self.speculative,
+            "requests": self.requests,
+            "tokens": self.tokens,
+            "seconds": round(self.seconds, 3),
+            "tokens_per_s": round(self.tokens_per_s, 2),
+            "requests_per_s": round(self.requests_per_s, 3),
             "acceptance_rate": round(self.acceptance_rate, 4),
             "mean_acceptance_length": round(self.mean_acceptance_length, 3),
             "batch_occupancy": round(self.occupancy, 3),
             **{f"ttft_p{int(q * 100)}": round(percentile(self.ttft, q), 4) for q in (0.5, 0.9, 0.99)},
             **{f"itl_p{int(q * 100)}": round(percentile(self.itl, q), 4) for q in (0.5, 0.9, 0.99)},
             **{f"e2e_p{int(q * 100)}": round(percentile(self.e2e, q), 4) for q in (0.5, 0.9, 0.99)},
-            "raw_decode_tokens_per_s": None if self.raw_tokens_per_s is None else round(self.raw_tokens_per_s, 2),
+            "raw_decode_tokens_per_s": None
+            if self.raw_tokens_per_s is None
+            else round(self.raw_tokens_per_s, 2),
         }
 
 
-def raw_decode_throughput(model: Model, n_parallel: int, n_tokens: int = 32, threads: int = 0,
-                          prompt_len: int = 16) -> float:
+def raw_decode_throughput(
+    model: Model, n_parallel: int, n_tokens: int = 32, threads: int = 0, prompt_len: int = 16
+) -> float:
     """Tokens/s of llama.cpp decoding one token for each of ``n_parallel`` sequences per
     call (after a short prompt each), with no scheduling: the decode ceiling."""
-    ctx = Context.create(model, ContextConfig(n_ctx=(prompt_len + n_tokens + 8) * n_parallel, n_seq=n_parallel,
-                                              n_batch=max(512, n_parallel), threads=threads),
-                         n_outputs_max=n_parallel, n_outputs_max_per_seq=1)
+    ctx = Context.create(
+        model,
+        ContextConfig(
+            n_ctx=(prompt_len + n_tokens + 8) * n_parallel,
+            n_seq=n_parallel,
+            n_batch=max(512, n_parallel),
+            threads=threads,
+        ),
+        n_outputs_max=n_parallel,
+        n_outputs_max_per_seq=1,
+    )
     tok = model.tokenize("The", add_special=False)[0]
-    b = Batch()
     for s in range(n_parallel):
+        b = Batch()
         b.add_sequence([tok] * prompt_len, 0, s, logits="last")
-    ctx.decode(b)
+        ctx.decode(b)
     step = Batch()
     for s in range(n_parallel):
         step.add(tok, 0, s, True)
@@ -113,8 +136,14 @@ def raw_decode_throughput(model: Model, n_parallel: int, n_tokens: int = 32, thr
     return n_parallel * n_tokens / (time.perf_counter() - t0)
 
 
-async def run_load(config: EngineConfig, n_streams: int, n_requests: int, max_tokens: int,
-                   prompts: list[str] | None = None, progress: Any = None) -> BenchResult:
+async def run_load(
+    config: EngineConfig,
+    n_streams: int,
+    n_requests: int,
+    max_tokens: int,
+    prompts: list[str] | None = None,
+    progress: Any = None,
+) -> BenchResult:
     """``n_requests`` requests through ``n_streams`` concurrent streams of one engine."""
     prompts = prompts or PROMPTS
     result = BenchResult(n_streams, config.spec.type, 0, 0, 0.0)
@@ -132,8 +161,9 @@ async def run_load(config: EngineConfig, n_streams: int, n_requests: int, max_to
                 t0 = time.perf_counter()
                 last = None
                 n = 0
-                async for delta in engine.stream(prompts[i % len(prompts)],
-                                                 SamplingParams(max_tokens=max_tokens, ignore_eos=True)):
+                async for delta in engine.stream(
+                    prompts[i % len(prompts)], SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+                ):
                     now = time.perf_counter()
                     if delta.token_ids:
                         if last is None:
@@ -164,17 +194,21 @@ async def run_load(config: EngineConfig, n_streams: int, n_requests: int, max_to
 
 def summarize(results: list[BenchResult]) -> str:
     """A table: engine tok/s, raw decode tok/s, their ratio, acceptance, latencies."""
-    head = (f"{'N':>4} {'spec':>14} {'tok/s':>8} {'raw tok/s':>10} {'ratio':>6} {'req/s':>6} {'accept':>7} "
-            f"{'acc.len':>7} {'occup':>6} {'TTFT p50/p90/p99 (s)':>22} {'ITL p50/p90/p99 (ms)':>22}")
+    head = (
+        f"{'N':>4} {'spec':>14} {'tok/s':>8} {'raw tok/s':>10} {'ratio':>6} {'req/s':>6} {'accept':>7} "
+        f"{'acc.len':>7} {'occup':>6} {'TTFT p50/p90/p99 (s)':>22} {'ITL p50/p90/p99 (ms)':>22}"
+    )
     lines = [head, "-" * len(head)]
     for r in results:
         raw = r.raw_tokens_per_s
         ratio = f"{r.tokens_per_s / raw:6.2f}" if raw else "     -"
         ttft = "/".join(f"{percentile(r.ttft, q):.2f}" for q in (0.5, 0.9, 0.99))
         itl = "/".join(f"{1000 * percentile(r.itl, q):.0f}" for q in (0.5, 0.9, 0.99))
-        lines.append(f"{r.n_streams:>4} {r.speculative:>14} {r.tokens_per_s:8.1f} "
-                     f"{(raw or float('nan')):10.1f} {ratio} {r.requests_per_s:6.2f} {r.acceptance_rate:7.1%} "
-                     f"{r.mean_acceptance_length:7.2f} {r.occupancy:6.2f} {ttft:>22} {itl:>22}")
+        lines.append(
+            f"{r.n_streams:>4} {r.speculative:>14} {r.tokens_per_s:8.1f} "
+            f"{(raw or float('nan')):10.1f} {ratio} {r.requests_per_s:6.2f} {r.acceptance_rate:7.1%} "
+            f"{r.mean_acceptance_length:7.2f} {r.occupancy:6.2f} {ttft:>22} {itl:>22}"
+        )
     return "\n".join(lines)
 
 

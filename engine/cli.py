@@ -20,10 +20,21 @@ __all__ = ["main"]
 
 
 def _engine_config(args: argparse.Namespace, speculative: str, n_seq: int) -> EngineConfig:
-    spec = SpeculativeConfig(speculative, n_seq=n_seq, n_draft_max=args.n_draft,
-                             ngram_size_n=args.ngram_n, ngram_size_m=args.n_draft)
-    return EngineConfig(model=args.model, draft_model=args.draft if spec.needs_draft_model else None,
-                        speculative=spec, n_seq=n_seq, n_ctx=args.n_ctx, threads=args.threads)
+    spec = SpeculativeConfig(
+        speculative,
+        n_seq=n_seq,
+        n_draft_max=args.n_draft,
+        ngram_size_n=args.ngram_n,
+        ngram_size_m=args.n_draft,
+    )
+    return EngineConfig(
+        model=args.model,
+        draft_model=args.draft if spec.needs_draft_model else None,
+        speculative=spec,
+        n_seq=n_seq,
+        n_ctx=args.n_ctx,
+        threads=args.threads,
+    )
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -39,15 +50,19 @@ async def _run(args: argparse.Namespace) -> int:
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     async with Engine(_engine_config(args, args.spec, 1)) as engine:
         final = None
-        async for delta in engine.stream(prompt, SamplingParams(max_tokens=args.max_tokens,
-                                                                temperature=args.temperature)):
+        async for delta in engine.stream(
+            prompt, SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+        ):
             sys.stdout.write(delta.text)
             sys.stdout.flush()
             final = delta
         m = engine.metrics
-        print(f"\n\n[{args.spec}] finish={final.finish_reason if final else None} "
-              f"tokens={m.generated_tokens} drafted={m.drafted} accepted={m.accepted} "
-              f"acceptance={m.acceptance_rate:.1%} steps={m.steps}", file=sys.stderr)
+        print(
+            f"\n\n[{args.spec}] finish={final.finish_reason if final else None} "
+            f"tokens={m.generated_tokens} drafted={m.drafted} accepted={m.accepted} "
+            f"acceptance={m.acceptance_rate:.1%} steps={m.steps}",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -74,8 +89,9 @@ async def _bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m engine",
-                                 description="Speculative-decoding serving engine on llama.cpp.")
+    ap = argparse.ArgumentParser(
+        prog="python -m engine", description="Speculative-decoding serving engine on llama.cpp."
+    )
     sub = ap.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="stream one completion to the terminal")
     run.add_argument("prompt", nargs="?", help="the prompt (default: read stdin)")
@@ -85,8 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     _add_model_args(run)
     bench = sub.add_parser("bench", help="N concurrent streams, speculation on/off, vs raw decode")
     bench.add_argument("--streams", default="1,4,16,64", help="comma-separated N (default 1,4,16,64)")
-    bench.add_argument("--spec", default="none,ngram-simple",
-                       help="comma-separated speculative types (default none,ngram-simple)")
+    bench.add_argument(
+        "--spec",
+        default="none,ngram-simple",
+        help="comma-separated speculative types (default none,ngram-simple)",
+    )
     bench.add_argument("--requests", type=int, default=8, help="requests per N (at least N; default 8)")
     bench.add_argument("--max-tokens", type=int, default=48)
     bench.add_argument("--json", help="also write the results as JSON to this file")

@@ -27,15 +27,20 @@ def greedy_plain(model: Model, prompt: list[int], n_new: int, n_ctx: int = 512) 
     return greedy_plain_margins(model, prompt, n_new, n_ctx)[0]
 
 
-def greedy_plain_margins(model: Model, prompt: list[int], n_new: int,
-                         n_ctx: int = 512) -> tuple[list[int], list[float]]:
+def greedy_plain_margins(
+    model: Model, prompt: list[int], n_new: int, n_ctx: int = 512
+) -> tuple[list[int], list[float]]:
     """Greedy tokens and, per token, the logit gap between the best and second-best token.
 
     Random tiny models have occasional near-ties; llama.cpp is not batch-invariant, so a
     different batch shape may flip a near-tie. Equality is exact only up to the first one.
     """
-    ctx = Context.create(model, ContextConfig(n_ctx=n_ctx, n_seq=1, n_batch=128, n_ubatch=128),
-                         n_outputs_max=1, n_outputs_max_per_seq=1)
+    ctx = Context.create(
+        model,
+        ContextConfig(n_ctx=n_ctx, n_seq=1, n_batch=128, n_ubatch=128),
+        n_outputs_max=1,
+        n_outputs_max_per_seq=1,
+    )
     b = Batch()
     b.add_sequence(prompt, 0, 0, logits="last")
     ctx.decode(b)
@@ -56,7 +61,7 @@ def greedy_plain_margins(model: Model, prompt: list[int], n_new: int,
         pos += 1
 
 
-def tie_safe_prefix(margins: list[float], threshold: float = 0.005) -> int:
+def tie_safe_prefix(margins: list[float], threshold: float = 0.05) -> int:
     """How many leading tokens can be compared exactly (up to the first near-tie)."""
     for i, m in enumerate(margins):
         if m < threshold:

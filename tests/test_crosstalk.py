@@ -25,12 +25,22 @@ TEXTS = [
 N_NEW = 32
 
 
-def run(models: ModelCache, target: str, draft: str | None, spec: str, prompts: list[list[int]],
-        together: bool, n_draft_max: int, mtp: bool = False) -> GreedyLoop:
+def run(
+    models: ModelCache,
+    target: str,
+    draft: str | None,
+    spec: str,
+    prompts: list[list[int]],
+    together: bool,
+    n_draft_max: int,
+    mtp: bool = False,
+) -> GreedyLoop:
     session = SpeculativeSession.open(
-        models(target, mtp=mtp), SpeculativeConfig(spec, n_seq=len(prompts), n_draft_max=n_draft_max),
+        models(target, mtp=mtp),
+        SpeculativeConfig(spec, n_seq=len(prompts), n_draft_max=n_draft_max),
         ContextConfig(n_ctx=512 * len(prompts), n_seq=len(prompts), n_batch=256, threads=2),
-        draft_model=models(draft) if draft else None)
+        draft_model=models(draft) if draft else None,
+    )
     loop = GreedyLoop(session)
     for s, p in enumerate(prompts):
         loop.start(s, p)
@@ -56,14 +66,17 @@ def test_eagle3_acceptance_alone_equals_concurrent(models: ModelCache, n_draft_m
 
 @pytest.mark.parametrize(
     "target,draft,spec,mtp",
-    [("walk-llama", "walk-llama-eagle3", "eagle3", False),
-     ("llama", "llama-dflash", "dflash", False),
-     ("walk-qwen35-mtp", None, "mtp", True),
-     ("llama", "llama", "draft", False)],
+    [
+        ("walk-llama", "walk-llama-eagle3", "eagle3", False),
+        ("llama", "llama-dflash", "dflash", False),
+        ("walk-qwen35-mtp", None, "mtp", True),
+        ("llama", "llama", "draft", False),
+    ],
     ids=["eagle3", "dflash", "mtp", "draft-simple"],
 )
-def test_drafts_alone_equal_drafts_together(models: ModelCache, target: str, draft: str | None, spec: str,
-                                            mtp: bool) -> None:
+def test_drafts_alone_equal_drafts_together(
+    models: ModelCache, target: str, draft: str | None, spec: str, mtp: bool
+) -> None:
     """Stronger than acceptance: every draft token of every round is the same."""
     prompts = [models(target, mtp=mtp).tokenize(t) for t in TEXTS]
     alone = run(models, target, draft, spec, prompts, False, 3, mtp)

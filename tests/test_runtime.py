@@ -80,11 +80,11 @@ async def test_event_loop_keeps_ticking_during_a_long_prefill(model_paths: dict[
         model = Model.load(rt, model_paths["llama"])
         ctx = Context.create(
             model,
-            ContextConfig(n_ctx=4096, n_batch=2048, n_ubatch=512),
+            ContextConfig(n_ctx=8192, n_batch=4096, n_ubatch=512),
             n_outputs_max=1,
             n_outputs_max_per_seq=1,
         )
-        prompt = [(i * 37) % 30000 + 100 for i in range(2048)]
+        prompt = [(i * 37) % 30000 + 100 for i in range(8192)]
         gaps: list[float] = []
         stop = asyncio.Event()
 
@@ -98,18 +98,19 @@ async def test_event_loop_keeps_ticking_during_a_long_prefill(model_paths: dict[
 
         task = asyncio.create_task(ticker())
         await asyncio.sleep(0.02)
-        b = Batch()
-        b.add_sequence(prompt, 0, 0, logits="last")
         t0 = time.perf_counter()
-        n_out = await rt.wait(ctx.decode_async(b))
+        for start in range(0, len(prompt), 4096):  # native prefill calls of 4096 tokens
+            b = Batch()
+            b.add_sequence(prompt[start : start + 4096], start, 0, logits="last")
+            n_out = await rt.wait(ctx.decode_async(b))
         prefill_s = time.perf_counter() - t0
         stop.set()
         await task
         assert n_out == 1
         assert ctx.logits.shape == (1, model.n_vocab)
         # the prefill took many tick periods, yet no tick was held up by it
-        assert prefill_s > 0.1
-        assert max(gaps) < 0.1, (max(gaps), prefill_s)
+        assert prefill_s > 0.3
+        assert max(gaps) < prefill_s / 3, (max(gaps), prefill_s)
 
 
 async def test_async_errors_arrive_typed(model_paths: dict[str, Path]) -> None:

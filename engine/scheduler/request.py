@@ -10,14 +10,22 @@ from typing import Any
 
 from .params import SamplingParams
 
-__all__ = ["Delta", "FinishReason", "Request", "RequestMetrics", "RequestOutput", "RequestState", "TextAssembler"]
+__all__ = [
+    "Delta",
+    "FinishReason",
+    "Request",
+    "RequestMetrics",
+    "RequestOutput",
+    "RequestState",
+    "TextAssembler",
+]
 
 
-class FinishReason(str, enum.Enum):
-    STOP = "stop"      #: end-of-generation token, stop string or stop token id
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  #: end-of-generation token, stop string or stop token id
     LENGTH = "length"  #: max_tokens or the end of the sequence's context
-    ABORT = "abort"    #: aborted, cancelled, or the engine closed
-    ERROR = "error"    #: the request failed (the error is raised to its caller)
+    ABORT = "abort"  #: aborted, cancelled, or the engine closed
+    ERROR = "error"  #: the request failed (the error is raised to its caller)
 
 
 class RequestState(enum.Enum):
@@ -103,8 +111,8 @@ class TextAssembler:
         self._stop = stop
         self._hold = max((len(s) for s in stop), default=1) - 1
         self._bytes = b""
-        self.text = ""        # complete text so far (stop string excluded once found)
-        self._emitted = 0     # characters of `text` already handed out
+        self.text = ""  # complete text so far (stop string excluded once found)
+        self._emitted = 0  # characters of `text` already handed out
         self.stopped = False
 
     def feed(self, piece: bytes) -> None:
@@ -143,7 +151,7 @@ class TextAssembler:
             self.text += self._bytes.decode("utf-8", "replace")
             self._bytes = b""
         end = len(self.text) if (final or self.stopped) else max(self._emitted, len(self.text) - self._hold)
-        out = self.text[self._emitted:end]
+        out = self.text[self._emitted : end]
         self._emitted = end
         return out
 
@@ -165,10 +173,10 @@ class Request:
     slot: int | None = None
     # tokens of this sequence in the KV cache, in order (prompt, then accepted output)
     history: list[int] = field(default_factory=list)
-    n_prompt_history: int = 0   # how many of `history` count as prompt (for sampler replay)
+    n_prompt_history: int = 0  # how many of `history` count as prompt (for sampler replay)
     to_prefill: list[int] = field(default_factory=list)
-    n_past: int = 0             # tokens in the KV cache
-    last: int | None = None     # sampled, not yet in the KV cache
+    n_past: int = 0  # tokens in the KV cache
+    last: int | None = None  # sampled, not yet in the KV cache
     output_ids: list[int] = field(default_factory=list)
     assembler: TextAssembler = field(init=False)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
@@ -189,8 +197,14 @@ class Request:
         return self.state is RequestState.FINISHED
 
     def output(self) -> RequestOutput:
-        return RequestOutput(self.request_id, self.assembler.text, list(self.output_ids),
-                             self.finish_reason or FinishReason.ABORT.value, self.metrics, self.final_checkpoint)
+        return RequestOutput(
+            self.request_id,
+            self.assembler.text,
+            list(self.output_ids),
+            self.finish_reason or FinishReason.ABORT.value,
+            self.metrics,
+            self.final_checkpoint,
+        )
 
     def push(self, delta: Delta) -> None:
         if self.stream is not None and (delta.text or delta.token_ids or delta.finish_reason):

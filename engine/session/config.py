@@ -71,6 +71,10 @@ class ContextConfig:
     n_ubatch: int | None = None  #: None = min(512, n_batch)
     threads: int = 0  #: 0 = all cores
     embeddings: bool = False
+    #: one KV buffer for all sequences. llama.cpp then decodes any batch shape as one
+    #: micro-batch; per-sequence streams (False) need the same number of tokens for every
+    #: sequence of a micro-batch, so uneven drafts split a step into several passes.
+    kv_unified: bool = False
 
     def __post_init__(self) -> None:
         if self.n_ubatch is None:

@@ -133,7 +133,9 @@ class Model:
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
         return self.native.tokenize(text, add_special, parse_special)
 
-    async def atokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+    async def atokenize(
+        self, text: str, *, add_special: bool = True, parse_special: bool = False
+    ) -> list[int]:
         """:meth:`tokenize` without blocking the event loop."""
         return list(await self.runtime.wait(self.native.tokenize_async(text, add_special, parse_special)))
 
@@ -154,8 +156,9 @@ class Model:
         """The bytes of one token (may be part of a multi-byte character)."""
         return self.native.token_to_piece(token, special)
 
-    def apply_chat_template(self, messages: Sequence[dict[str, str]], *, add_assistant: bool = True,
-                            template: str | None = None) -> str:
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, str]], *, add_assistant: bool = True, template: str | None = None
+    ) -> str:
         """Render chat messages with the model's template (llama.cpp's built-in renderers).
 
         :raises InvalidArgumentError: malformed messages or an unsupported template.
@@ -163,16 +166,23 @@ class Model:
         pairs, tmpl = self._chat_args(messages, template)
         return self.native.apply_chat_template(pairs, add_assistant, tmpl)
 
-    async def aapply_chat_template(self, messages: Sequence[dict[str, str]], *, add_assistant: bool = True,
-                                   template: str | None = None) -> str:
+    async def aapply_chat_template(
+        self, messages: Sequence[dict[str, str]], *, add_assistant: bool = True, template: str | None = None
+    ) -> str:
         """:meth:`apply_chat_template` without blocking the event loop."""
         pairs, tmpl = self._chat_args(messages, template)
         return str(await self.runtime.wait(self.native.apply_chat_template_async(pairs, add_assistant, tmpl)))
 
-    def _chat_args(self, messages: Sequence[dict[str, str]], template: str | None) -> tuple[list[tuple[str, str]], str]:
+    def _chat_args(
+        self, messages: Sequence[dict[str, str]], template: str | None
+    ) -> tuple[list[tuple[str, str]], str]:
         pairs: list[tuple[str, str]] = []
         for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            if (
+                not isinstance(m, dict)
+                or not isinstance(m.get("role"), str)
+                or not isinstance(m.get("content"), str)
+            ):
                 raise InvalidArgumentError(
                     f"message {i} must be a dict with string 'role' and 'content'", reason="bad message"
                 )
@@ -225,6 +235,7 @@ class Context:
         p.n_seq = config.n_seq
         p.n_threads = config.threads
         p.embeddings = config.embeddings
+        p.kv_unified = config.kv_unified
         p.n_rs_seq = n_rs_seq
         p.n_outputs_max = n_outputs_max
         p.n_outputs_max_per_seq = n_outputs_max_per_seq

@@ -116,6 +116,7 @@ class SpeculativeSession:
                 n_batch=context.n_batch,
                 n_ubatch=context.n_ubatch,
                 threads=context.threads,
+                kv_unified=context.kv_unified,
             )
             draft = Context.create(
                 draft_model or target_model,

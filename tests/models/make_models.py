@@ -300,8 +300,9 @@ def _random_embd(rng: np.random.Generator, n_vocab: int, n_embd: int) -> np.ndar
     return rng.standard_normal((n_vocab, n_embd)).astype(np.float16)
 
 
-def _random_head(rng: np.random.Generator, voc: Vocab, n_embd: int, dtype=np.float32,
-                 logit_std: float = LOGIT_STD) -> np.ndarray:
+def _random_head(
+    rng: np.random.Generator, voc: Vocab, n_embd: int, dtype=np.float32, logit_std: float = LOGIT_STD
+) -> np.ndarray:
     """Untied output with logit std ~LOGIT_STD; special-token rows are zero, so a random
     target never emits EOS/EOT or other control tokens (their logit 0 is far below the max)."""
     out = rng.standard_normal((voc.n_vocab, n_embd)).astype(np.float32) * (logit_std / np.sqrt(n_embd))
