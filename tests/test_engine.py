@@ -200,8 +200,9 @@ async def test_cancelled_streams_leave_no_trace(model_paths: dict[str, Path], mo
         assert out.token_ids == expected[0]
 
 
-async def test_checkpoint_and_resume(model_paths: dict[str, Path], models: ModelCache) -> None:
-    cfg = config(model_paths, "walk-llama", "walk-llama-eagle3", "eagle3", 4)
+@pytest.mark.parametrize("policy", ["adaptive", "fixed"])
+async def test_checkpoint_and_resume(model_paths: dict[str, Path], models: ModelCache, policy: str) -> None:
+    cfg = config(model_paths, "walk-llama", "walk-llama-eagle3", "eagle3", 4, draft_policy=policy)
     prompt = models("walk-llama").tokenize("The quick brown fox")
     n_total = 40
     async with Engine(cfg) as engine:

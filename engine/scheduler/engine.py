@@ -114,7 +114,8 @@ class Engine:
         self._loop_task: asyncio.Task[None] | None = None
         self._closed = False
         self._fingerprint: dict[str, Any] = {}
-        self._policy = DraftPolicy(adaptive=self.config.draft_policy == "adaptive")
+        self._policy = DraftPolicy(adaptive=self.config.draft_policy == "adaptive",
+                                   unified_kv=self.config.unified_kv)
 
     # --- lifecycle ---------------------------------------------------------------------
     async def __aenter__(self) -> Engine:
@@ -151,13 +152,12 @@ class Engine:
         path = cfg.model if cfg.model is not None else default_model_path()
         self._model = Model.load(rt, path, n_gpu_layers=cfg.n_gpu_layers, mtp=spec.is_mtp)
         draft = Model.load(rt, cfg.draft_model, n_gpu_layers=cfg.n_gpu_layers) if cfg.draft_model else None
-        # unified KV: a step's uneven [last, drafts...] rows and prompt chunks stay ONE pass
         ctx = ContextConfig(
             n_ctx=cfg.n_ctx * cfg.n_seq,
             n_seq=cfg.n_seq,
             n_batch=cfg.n_batch,
             threads=cfg.threads,
-            kv_unified=True,
+            kv_unified=cfg.unified_kv,
         )
         self._session = SpeculativeSession.open(self._model, spec, ctx, draft_model=draft)
         self._runner = _nb_spec.StepRunner.create(self._session.native)

@@ -145,6 +145,12 @@ class EngineConfig:
     #: "adaptive": each sequence drafts as many tokens as pay for themselves (see
     #: engine.scheduler.policy); "fixed": always n_draft_max
     draft_policy: str = "adaptive"
+    #: one KV buffer for all sequences (None: when n_seq <= 16). llama.cpp's per-sequence KV
+    #: streams need consecutive sequence ids and equally many tokens per sequence in a
+    #: micro-batch, so uneven [last, drafts...] rows, prompt chunks and idle slots split a
+    #: step into several passes; a unified buffer keeps every step one pass but attends over
+    #: all sequences' cells, which costs more than the split once many long sequences share it.
+    kv_unified: bool | None = None
 
     def __post_init__(self) -> None:
         _check(
@@ -186,6 +192,10 @@ class EngineConfig:
             spec.needs_draft_model or self.draft_model is None,
             f"speculative type {spec.type} takes no draft_model",
         )
+
+    @property
+    def unified_kv(self) -> bool:
+        return self.kv_unified if self.kv_unified is not None else self.n_seq <= 16
 
     @property
     def spec(self) -> SpeculativeConfig:

@@ -12,6 +12,10 @@ accepted, none for those whose drafts are not, fewer as the batch grows.
 ``base`` is learned online from the steps' decode times (t = a + c * tokens, base = a / c);
 ``alpha`` per request from its own accepted/drafted counts, starting from a neutral prior.
 A sequence that stopped drafting probes with one token every ``probe_every`` steps.
+
+With per-sequence KV streams (``unified_kv=False``) llama.cpp runs a step whose sequences
+have different row counts as several passes, each costing the full fixed cost: there the
+adaptive policy drafts only while a single sequence is decoding.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ __all__ = ["DraftPolicy"]
 @dataclass
 class DraftPolicy:
     adaptive: bool = True
+    unified_kv: bool = True
     prior_alpha: float = 0.6
     prior_weight: float = 4.0
     default_base: float = 4.0
@@ -71,6 +76,8 @@ class DraftPolicy:
             return 0
         if not self.adaptive:
             return max_k
+        if not self.unified_kv and n_decoding > 1:
+            return 0
         alpha = self.alpha(accepted, drafted)
         share = self.base / max(n_decoding, 1)
         best_k, best = 0, 1.0 / (share + 1.0)
