@@ -35,7 +35,7 @@ from ..session import (
 from ..session import errors as session_errors
 from ..session.checkpoint import SequenceCheckpoint, pack, unpack
 from .params import EngineConfig, SamplingParams, default_model_path
-from .planner import Plan, SlotTable, WaitQueue, plan_step
+from .planner import Plan, SlotTable, WaitQueue, WorkItem, plan_step
 from .policy import DraftPolicy
 from .request import Delta, FinishReason, Request, RequestOutput, RequestState
 
@@ -108,7 +108,6 @@ class Engine:
         self._slots = SlotTable(self.config.n_seq)
         self._waiting = WaitQueue()
         self._requests: dict[str, Request] = {}
-        self._to_clear: list[int] = []
         self._arrivals = itertools.count()
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
@@ -388,8 +387,6 @@ class Engine:
                 plan.clears.append(slot)
                 self._slots.release(slot)
                 r.slot = None
-        plan.clears.extend(self._to_clear)
-        self._to_clear.clear()
         while len(self._waiting) and self._slots.n_free:
             r = self._waiting.pop()
             r.slot = self._slots.allocate(r)
@@ -457,7 +454,7 @@ class Engine:
                 throughput=round(m.throughput, 1),
             )
 
-    def _apply_output(self, r: Request, w: Any, out: Any) -> None:
+    def _apply_output(self, r: Request, w: WorkItem, out: Any) -> None:
         n_tok = len(w.tokens)
         r.history.extend(w.tokens)
         del r.to_prefill[:n_tok]
