@@ -113,8 +113,9 @@ class Engine:
         self._loop_task: asyncio.Task[None] | None = None
         self._closed = False
         self._fingerprint: dict[str, Any] = {}
-        self._policy = DraftPolicy(adaptive=self.config.draft_policy == "adaptive",
-                                   unified_kv=self.config.unified_kv)
+        self._policy = DraftPolicy(
+            adaptive=self.config.draft_policy == "adaptive", unified_kv=self.config.unified_kv
+        )
 
     # --- lifecycle ---------------------------------------------------------------------
     async def __aenter__(self) -> Engine:
@@ -175,7 +176,12 @@ class Engine:
             except asyncio.CancelledError:
                 pass
         for r in list(self._requests.values()):
-            self._finish(r, FinishReason.ABORT.value)
+            if r.final_pending is not None:  # finished, its final checkpoint will not come
+                reason, new_ids = r.final_pending
+                r.final_pending = None
+                self._complete(r, reason, new_ids)
+            else:
+                self._finish(r, FinishReason.ABORT.value)
         if self._runtime is not None:
             await asyncio.to_thread(self._runtime.close)
         log.info("engine.closed", steps=self.metrics.steps)
@@ -232,6 +238,7 @@ class Engine:
         try:
             while True:
                 delta = await request.stream.get()
+                self._wakeup.set()  # a request paused on a full buffer may go on
                 if delta is None:
                     break
                 yield delta
@@ -321,7 +328,8 @@ class Engine:
         request.metrics.arrival = time.perf_counter()
         request.metrics.prompt_tokens = len(tokens) - (1 if resume else 0)
         if stream:
-            request.stream = asyncio.Queue()
+            # bounded: a consumer that stops reading pauses its own request (see _schedule)
+            request.stream = asyncio.Queue(maxsize=self.config.stream_buffer)
         self._requests[request_id] = request
         self._waiting.push(request)
         self.metrics.queue_depth = len(self._waiting)
@@ -394,7 +402,13 @@ class Engine:
             plan.admitted.append(r)
             log.debug("request.admitted", request_id=r.request_id, slot=r.slot)
         self.metrics.queue_depth = len(self._waiting)
-        running = [r for r in self._slots.owner.values() if not r.finished]
+        # a stream whose consumer fell behind waits (its buffer keeps room for the next
+        # delta plus the end marker); the other streams go on
+        running = [
+            r
+            for r in self._slots.owner.values()
+            if not r.finished and (r.stream is None or r.stream.qsize() <= r.stream.maxsize - 2)
+        ]
         running.sort(key=lambda r: r.arrival_index)
         spec = self.config.spec
         plan.work = plan_step(

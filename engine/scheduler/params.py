@@ -142,6 +142,8 @@ class EngineConfig:
     #: tokens a step keeps for prompt chunks when streams are decoding (chunked prefill)
     prefill_reserve: int = 64
     n_gpu_layers: int = 0
+    #: deltas a stream buffers before its request pauses for the consumer
+    stream_buffer: int = 64
     #: "adaptive": each sequence drafts as many tokens as pay for themselves (see
     #: engine.scheduler.policy); "fixed": always n_draft_max
     draft_policy: str = "adaptive"
@@ -170,6 +172,7 @@ class EngineConfig:
             "prefill_reserve must be >= 1",
         )
         _check(self.draft_policy in ("adaptive", "fixed"), "draft_policy must be 'adaptive' or 'fixed'")
+        _check(isinstance(self.stream_buffer, int) and self.stream_buffer >= 4, "stream_buffer must be >= 4")
         spec = self.speculative
         if isinstance(spec, str):
             spec = SpeculativeConfig(spec, n_seq=self.n_seq)

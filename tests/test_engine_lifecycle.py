@@ -1,0 +1,148 @@
+"""Shutdown, slow consumers and misuse from many threads: nothing hangs, nothing crashes."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from engine import Engine, EngineConfig, SamplingParams, SpeculativeConfig
+from engine.session import ClosedError, ContextConfig, SessionError, SpeculativeSession
+from tests.conftest import ModelCache
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def eagle_config(paths: dict[str, Path], **kw: object) -> EngineConfig:
+    return EngineConfig(
+        model=paths["walk-llama"],
+        draft_model=paths["walk-llama-eagle3"],
+        speculative=SpeculativeConfig("eagle3", n_seq=4),
+        n_seq=4,
+        n_ctx=512,
+        threads=2,
+        **kw,
+    )  # type: ignore[arg-type]
+
+
+async def test_close_with_requests_in_flight(model_paths: dict[str, Path]) -> None:
+    engine = Engine(eagle_config(model_paths))
+    await engine.start()
+    long = SamplingParams(max_tokens=400, ignore_eos=True)
+    tasks = [asyncio.create_task(engine.generate([1000 + i, 2000], long)) for i in range(50)]
+    streams_done = asyncio.Event()
+
+    async def consume() -> list[str | None]:
+        reasons = [d.finish_reason async for d in engine.stream([1000, 3000], long)]
+        streams_done.set()
+        return reasons
+
+    stream_task = asyncio.create_task(consume())
+    while engine.metrics.steps < 5:
+        await asyncio.sleep(0.005)
+    t0 = time.perf_counter()
+    await engine.close()
+    outs = await asyncio.wait_for(asyncio.gather(*tasks), timeout=1.0)
+    await asyncio.wait_for(streams_done.wait(), timeout=1.0)
+    assert time.perf_counter() - t0 < 1.0
+    assert {o.finish_reason for o in outs} == {"abort"}
+    assert (await stream_task)[-1] == "abort"
+    await engine.close()  # twice is fine
+    with pytest.raises(ClosedError):
+        await engine.generate("hello", SamplingParams(max_tokens=4))
+    async with Engine(eagle_config(model_paths)) as again:  # and a new engine works
+        assert (await again.generate([1000, 2000], SamplingParams(max_tokens=4))).finish_reason == "length"
+
+
+async def test_a_stalled_consumer_does_not_stall_the_others(model_paths: dict[str, Path]) -> None:
+    async with Engine(eagle_config(model_paths, stream_buffer=4)) as engine:
+        stalled = engine.stream([1000, 2000], SamplingParams(max_tokens=200, ignore_eos=True))
+        first = await stalled.__anext__()  # then stop reading
+        assert first.token_ids
+        outs = await asyncio.wait_for(
+            asyncio.gather(
+                *(engine.generate([1100 + i, 2000], SamplingParams(max_tokens=60)) for i in range(6))
+            ),
+            timeout=60,
+        )
+        assert all(o.metrics.completion_tokens == 60 for o in outs)
+        # the stalled request waited with a bounded buffer and resumes when read again
+        rest = [d async for d in stalled]
+        assert sum(len(d.token_ids) for d in rest) + len(first.token_ids) == 200
+
+
+async def test_a_failing_consumer_ends_only_its_stream(model_paths: dict[str, Path]) -> None:
+    async with Engine(eagle_config(model_paths)) as engine:
+
+        async def bad_consumer() -> None:
+            async for _ in engine.stream([1000, 2000], SamplingParams(max_tokens=100)):
+                raise ValueError("the application failed")
+
+        good = asyncio.create_task(engine.generate([1200, 2000], SamplingParams(max_tokens=40)))
+        with pytest.raises(ValueError):
+            await bad_consumer()
+        assert (await good).metrics.completion_tokens == 40
+        for _ in range(100):
+            if engine.slots_in_use() == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.slots_in_use() == 0
+
+
+def test_session_misuse_from_many_threads(models: ModelCache) -> None:
+    """Random valid and invalid calls from 4 Python threads: every failure is typed."""
+    session = SpeculativeSession.open(
+        models("walk-llama"),
+        SpeculativeConfig("eagle3", n_seq=2, n_draft_max=3),
+        ContextConfig(n_ctx=512, n_seq=2, threads=2),
+        draft_model=models("walk-llama-eagle3"),
+    )
+    errors: list[BaseException] = []
+    counts = {"ok": 0, "typed": 0}
+    lock = threading.Lock()
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        for _ in range(150):
+            seq = rng.choice([-1, 0, 1, 2])
+            op = rng.randrange(7)
+            try:
+                if op == 0:
+                    session.draft(seq, rng.randrange(-1, 8), rng.randrange(-5, 200_000))
+                elif op == 1:
+                    session.accept(seq, rng.randrange(-1, 5))
+                elif op == 2:
+                    session.begin(seq, [rng.randrange(1000, 2000) for _ in range(rng.randrange(0, 5))])
+                elif op == 3:
+                    session.speculative_state(seq)
+                elif op == 4:
+                    session.restore_speculative_state(seq, bytes(rng.randrange(256) for _ in range(20)))
+                elif op == 5:
+                    session.clear_target_kv_cache_seq(seq if seq >= 0 else None, rng.randrange(0, 4), None)
+                else:
+                    session.is_quiescent()
+                with lock:
+                    counts["ok"] += 1
+            except SessionError:
+                with lock:
+                    counts["typed"] += 1
+            except BaseException as exc:  # noqa: BLE001 - collected and asserted on
+                errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    assert counts["ok"] > 0 and counts["typed"] > 0
+    # quiescence tracking still holds: settle what is pending, then state capture works
+    for seq in (0, 1):
+        if session.pending(seq):
+            session.accept(seq, 0)
+    assert session.is_quiescent()
+    assert session.speculative_state(0)
