@@ -50,6 +50,7 @@ uint32_t config_digest(const SpecConfig & c) {
 struct Writer {
     std::vector<uint8_t> out;
     void bytes(const void * p, size_t n) {
+        if (n == 0) return;  // p may be null (an empty vector's data())
         const auto * b = static_cast<const uint8_t *>(p);
         out.insert(out.end(), b, b + n);
     }
@@ -474,7 +475,10 @@ void SpecSession::restore_speculative_state(int32_t seq_id, const std::vector<ui
     const uint32_t n_hist = r.u32();
     if (n_hist > target_->params().n_ctx) fail(ErrorKind::State, "speculative state history exceeds n_ctx");
     std::vector<llama_token> hist(n_hist);
-    std::memcpy(hist.data(), r.take(size_t(n_hist) * sizeof(llama_token)), size_t(n_hist) * sizeof(llama_token));
+    const uint8_t * hist_bytes = r.take(size_t(n_hist) * sizeof(llama_token));
+    if (n_hist > 0) {  // (memcpy from/to null is undefined even for zero bytes: UBSan)
+        std::memcpy(hist.data(), hist_bytes, size_t(n_hist) * sizeof(llama_token));
+    }
     target_->model()->check_tokens(hist, "speculative state history");
     const bool has_payload = r.u32() != 0;
     const uint32_t n_payload = r.u32();
