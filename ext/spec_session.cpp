@@ -9,12 +9,6 @@ namespace engine {
 
 namespace {
 
-int64_t now_us() {
-    return std::chrono::duration_cast<std::chrono::microseconds>(
-               std::chrono::steady_clock::now().time_since_epoch())
-        .count();
-}
-
 const char * const kTypes[] = {"none",         "draft-simple", "draft-eagle3",  "draft-dflash",
                                "draft-dspark", "draft-mtp",    "ngram-simple",  "ngram-map-k",
                                "ngram-map-k4v", "ngram-mod",   "ngram-cache"};

@@ -7,12 +7,19 @@
 
 #include "speculative.h"
 
+#include <chrono>
 #include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 namespace engine {
+
+inline int64_t now_us() {
+    return std::chrono::duration_cast<std::chrono::microseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+}
 
 struct SpecConfig {
     std::string type = "none";  // none, draft-simple, draft-eagle3, draft-dflash, draft-dspark,

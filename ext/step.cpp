@@ -12,12 +12,6 @@ namespace engine {
 
 namespace {
 
-int64_t now_us() {
-    return std::chrono::duration_cast<std::chrono::microseconds>(
-               std::chrono::steady_clock::now().time_since_epoch())
-        .count();
-}
-
 StepError to_step_error(int32_t seq, const std::exception & e) {
     if (const auto * err = dynamic_cast<const Error *>(&e)) {
         return {seq, error_kind_name(err->kind), err->what()};
