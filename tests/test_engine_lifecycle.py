@@ -13,20 +13,13 @@ import pytest
 from engine import Engine, EngineConfig, SamplingParams, SpeculativeConfig
 from engine.session import ClosedError, ContextConfig, SessionError, SpeculativeSession
 from tests.conftest import ModelCache
+from tests.test_engine import config
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def eagle_config(paths: dict[str, Path], **kw: object) -> EngineConfig:
-    return EngineConfig(
-        model=paths["walk-llama"],
-        draft_model=paths["walk-llama-eagle3"],
-        speculative=SpeculativeConfig("eagle3", n_seq=4),
-        n_seq=4,
-        n_ctx=512,
-        threads=2,
-        **kw,
-    )  # type: ignore[arg-type]
+    return config(paths, "walk-llama", "walk-llama-eagle3", "eagle3", 4, n_ctx=512, **kw)
 
 
 async def test_close_with_requests_in_flight(model_paths: dict[str, Path]) -> None:

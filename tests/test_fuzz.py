@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from engine import Engine, EngineConfig, RequestError, SamplingParams, SpeculativeConfig
+from engine import Engine, RequestError, SamplingParams, SpeculativeConfig
 from engine.session import (
     ContextConfig,
     SessionError,
@@ -26,6 +26,7 @@ from engine.session import (
 from engine.session.checkpoint import MAGIC
 from tests.conftest import ModelCache
 from tests.spec_loop import greedy_plain
+from tests.test_engine import config
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -194,14 +195,7 @@ def mutations(ckpt: bytes, rng: random.Random, n: int) -> list[bytes]:
 async def test_mutated_checkpoints_are_rejected_and_change_nothing(
     model_paths: dict[str, Path], models: ModelCache
 ) -> None:
-    cfg = EngineConfig(
-        model=model_paths["walk-llama"],
-        draft_model=model_paths["walk-llama-eagle3"],
-        speculative=SpeculativeConfig("eagle3", n_seq=4),
-        n_seq=4,
-        n_ctx=256,
-        threads=2,
-    )
+    cfg = config(model_paths, "walk-llama", "walk-llama-eagle3", "eagle3", 4)
     prompt = models("walk-llama").tokenize("Once upon a time")
     async with Engine(cfg) as engine:
         first = await engine.generate(prompt, SamplingParams(max_tokens=6), checkpoint=True)
@@ -240,15 +234,7 @@ async def test_cancellation_storm(model_paths: dict[str, Path], models: ModelCac
     tm = models("walk-llama")
     prompts = [[rng.randrange(1000, 20000) for _ in range(rng.randrange(2, 40))] for _ in range(40)]
     expected = {i: greedy_plain(tm, p, 16) for i, p in enumerate(prompts)}
-    cfg = EngineConfig(
-        model=model_paths["walk-llama"],
-        draft_model=model_paths["walk-llama-eagle3"],
-        speculative=SpeculativeConfig("eagle3", n_seq=8),
-        n_seq=8,
-        n_ctx=256,
-        threads=2,
-        max_queue=4096,
-    )
+    cfg = config(model_paths, "walk-llama", "walk-llama-eagle3", "eagle3", 8, max_queue=4096)
     async with Engine(cfg) as engine:
 
         async def one(i: int) -> tuple[int, list[int] | None]:
