@@ -103,7 +103,7 @@ class BenchResult:
 
 
 def raw_decode_throughput(
-    model: Model, n_parallel: int, n_tokens: int = 32, threads: int = 0, prompt_len: int = 16
+    model: Model, n_parallel: int, n_tokens: int = 32, threads: int | None = None, prompt_len: int = 16
 ) -> float:
     """Tokens/s of llama.cpp decoding one token for each of ``n_parallel`` sequences per
     call (after a short prompt each), with no scheduling: the decode ceiling."""
@@ -212,7 +212,7 @@ def summarize(results: list[BenchResult]) -> str:
     return "\n".join(lines)
 
 
-def measure_raw(model_path: str, n_values: list[int], threads: int) -> dict[int, float]:
+def measure_raw(model_path: str, n_values: list[int], threads: int | None) -> dict[int, float]:
     with Runtime() as rt:
         model = Model.load(rt, model_path)
         return {n: raw_decode_throughput(model, n, threads=threads) for n in n_values}

@@ -43,7 +43,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-draft", type=int, default=6, help="most draft tokens per step (default 6)")
     p.add_argument("--ngram-n", type=int, default=3, help="n-gram key length for n-gram drafters (default 3)")
     p.add_argument("--n-ctx", type=int, default=1024, help="context per sequence (default 1024)")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads (default: all cores)")
+    p.add_argument("--threads", type=int, help="CPU threads (default: all cores)")
 
 
 async def _run(args: argparse.Namespace) -> int:

@@ -72,7 +72,7 @@ def main() -> int:
     ap.add_argument("--n-draft", type=int, default=8, help="most tokens drafted per round")
     ap.add_argument("--prompt", default=DEFAULT_PROMPT)
     ap.add_argument("--max-tokens", type=int, default=200)
-    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--threads", type=int, help="CPU threads (default: all cores)")
     args = ap.parse_args()
 
     with Runtime() as rt:

@@ -651,6 +651,8 @@ NB_MODULE(_nb_spec, m) {
         .def_ro("n_decode_calls", &StepResult::n_decode_calls)
         .def_ro("n_draft_calls", &StepResult::n_draft_calls)
         .def_ro("n_batch_tokens", &StepResult::n_batch_tokens)
+        .def_ro("n_isolated_failures", &StepResult::n_isolated_failures)
+        .def_ro("draft_error", &StepResult::draft_error)
         .def_ro("t_draft_us", &StepResult::t_draft_us)
         .def_ro("t_decode_us", &StepResult::t_decode_us)
         .def_ro("t_verify_us", &StepResult::t_verify_us)

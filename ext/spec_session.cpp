@@ -311,28 +311,33 @@ std::vector<llama_token> SpecSession::draft(int32_t seq_id, int32_t n_past, llam
     return draft_many({DraftRequest{seq_id, n_past, id_last, -1}}).front();
 }
 
+void SpecSession::check_draft_request(const DraftRequest & r) const {
+    const uint32_t n_ctx = target_->params().n_ctx;
+    check_seq(r.seq_id);
+    if (pending_[r.seq_id] >= 0) {
+        Error e(ErrorKind::ProposalPending, "sequence " + std::to_string(r.seq_id) + " still has an unaccepted draft proposal");
+        e.seq_id = r.seq_id;
+        throw e;
+    }
+    if (r.n_past < 0 || static_cast<uint32_t>(r.n_past) >= n_ctx) {
+        fail(ErrorKind::InvalidArgument, "n_past " + std::to_string(r.n_past) + " is outside [0, n_ctx=" +
+                                             std::to_string(n_ctx) + ")");
+    }
+    if (static_cast<size_t>(r.n_past) > history_[r.seq_id].size()) {
+        fail(ErrorKind::Draft, "sequence " + std::to_string(r.seq_id) + ": n_past " + std::to_string(r.n_past) +
+                                   " exceeds the " + std::to_string(history_[r.seq_id].size()) +
+                                   " tokens processed for it");
+    }
+    target_->model()->check_tokens({r.id_last}, "draft id_last");
+}
+
 std::vector<std::vector<llama_token>> SpecSession::draft_many(const std::vector<DraftRequest> & requests) {
     const uint32_t n_ctx = target_->params().n_ctx;
     std::vector<bool> seen(config_.n_seq, false);
     for (const DraftRequest & r : requests) {  // validate all before touching anything
-        check_seq(r.seq_id);
+        check_draft_request(r);
         if (seen[r.seq_id]) fail(ErrorKind::InvalidArgument, "sequence " + std::to_string(r.seq_id) + " appears twice");
         seen[r.seq_id] = true;
-        if (pending_[r.seq_id] >= 0) {
-            Error e(ErrorKind::ProposalPending, "sequence " + std::to_string(r.seq_id) + " still has an unaccepted draft proposal");
-            e.seq_id = r.seq_id;
-            throw e;
-        }
-        if (r.n_past < 0 || static_cast<uint32_t>(r.n_past) >= n_ctx) {
-            fail(ErrorKind::InvalidArgument, "n_past " + std::to_string(r.n_past) + " is outside [0, n_ctx=" +
-                                                 std::to_string(n_ctx) + ")");
-        }
-        if (static_cast<size_t>(r.n_past) > history_[r.seq_id].size()) {
-            fail(ErrorKind::Draft, "sequence " + std::to_string(r.seq_id) + ": n_past " + std::to_string(r.n_past) +
-                                       " exceeds the " + std::to_string(history_[r.seq_id].size()) +
-                                       " tokens processed for it");
-        }
-        target_->model()->check_tokens({r.id_last}, "draft id_last");
     }
     std::vector<std::vector<llama_token>> out(requests.size());
     if (spec_ == nullptr) return out;

@@ -71,6 +71,8 @@ public:
     void process(const BatchData & batch);
     void begin(int32_t seq_id, const std::vector<llama_token> & prompt);
     std::vector<llama_token> draft(int32_t seq_id, int32_t n_past, llama_token id_last);
+    // Throws what draft_many would throw for this request alone (bad id, pending, n_past).
+    void check_draft_request(const DraftRequest & r) const;
     // One upstream draft call for many sequences; result i belongs to requests[i].
     std::vector<std::vector<llama_token>> draft_many(const std::vector<DraftRequest> & requests);
     void accept(int32_t seq_id, int64_t n_accepted);

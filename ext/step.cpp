@@ -228,16 +228,31 @@ StepResult StepRunner::run_unchecked(const StepPlan & plan) {
     std::stable_sort(work.begin(), work.end(),
                      [](const StepWork * a, const StepWork * b) { return a->seq < b->seq; });
     std::vector<DraftRequest> requests;
-    for (const StepWork * w : work) {
+    for (auto it = work.begin(); it != work.end();) {
+        const StepWork * w = *it;
         if (w->sample && w->n_draft > 0) {
-            requests.push_back({w->seq, w->pos0 + static_cast<int32_t>(w->tokens.size()) - 1, w->tokens.back(), w->n_draft});
+            DraftRequest r{w->seq, w->pos0 + static_cast<int32_t>(w->tokens.size()) - 1, w->tokens.back(), w->n_draft};
+            try {
+                s.check_draft_request(r);  // one bad request must not fail the others' draft call
+            } catch (const std::exception & e) {
+                fail_seq(w->seq, e);
+                it = work.erase(it);
+                continue;
+            }
+            requests.push_back(r);
         }
+        ++it;
     }
     std::vector<std::vector<llama_token>> drafts(n_seq);
     if (!requests.empty()) {
         const int64_t t0 = now_us();
-        std::vector<std::vector<llama_token>> got = s.draft_many(requests);
-        for (size_t i = 0; i < requests.size(); ++i) drafts[requests[i].seq_id] = std::move(got[i]);
+        try {
+            std::vector<std::vector<llama_token>> got = s.draft_many(requests);
+            for (size_t i = 0; i < requests.size(); ++i) drafts[requests[i].seq_id] = std::move(got[i]);
+        } catch (const std::exception & e) {
+            // drafts are optional: the step goes on without them (nothing is pending)
+            result.draft_error = e.what();
+        }
         result.t_draft_us += now_us() - t0;
         result.n_draft_calls = 1;
     }
@@ -247,50 +262,41 @@ StepResult StepRunner::run_unchecked(const StepPlan & plan) {
         const StepWork * w;
         int32_t start;  // batch index of the first token
     };
-    std::vector<std::pair<int32_t, int32_t>> prompts_done;  // (seq, n_past) of finished prefills
-    size_t next = 0;
-    while (next < work.size()) {
-        BatchData batch;
-        std::vector<Span> spans;
-        while (next < work.size()) {
-            const StepWork * w = work[next];
-            const auto & d = drafts[w->seq];
-            const size_t n = w->tokens.size() + d.size();
-            if (!spans.empty() && batch.size() + n > n_batch) break;
-            spans.push_back({w, static_cast<int32_t>(batch.size())});
-            for (size_t i = 0; i < w->tokens.size(); ++i) {
-                batch.tokens.push_back(w->tokens[i]);
-                batch.pos.push_back(w->pos0 + static_cast<int32_t>(i));
-                batch.seq.push_back(w->seq);
-                batch.logits.push_back(w->sample && i + 1 == w->tokens.size());
-            }
-            for (size_t i = 0; i < d.size(); ++i) {
-                batch.tokens.push_back(d[i]);
-                batch.pos.push_back(w->pos0 + static_cast<int32_t>(w->tokens.size() + i));
-                batch.seq.push_back(w->seq);
-                batch.logits.push_back(true);
-            }
-            ++next;
+    auto append = [&](BatchData & batch, std::vector<Span> & spans, const StepWork * w) {
+        const auto & d = drafts[w->seq];
+        spans.push_back({w, static_cast<int32_t>(batch.size())});
+        for (size_t i = 0; i < w->tokens.size(); ++i) {
+            batch.tokens.push_back(w->tokens[i]);
+            batch.pos.push_back(w->pos0 + static_cast<int32_t>(i));
+            batch.seq.push_back(w->seq);
+            batch.logits.push_back(w->sample && i + 1 == w->tokens.size());
         }
+        for (size_t i = 0; i < d.size(); ++i) {
+            batch.tokens.push_back(d[i]);
+            batch.pos.push_back(w->pos0 + static_cast<int32_t>(w->tokens.size() + i));
+            batch.seq.push_back(w->seq);
+            batch.logits.push_back(true);
+        }
+    };
+    std::vector<std::pair<int32_t, int32_t>> prompts_done;  // (seq, n_past) of finished prefills
+    // decode one batch and verify each of its sequences; false (nothing verified) on failure
+    auto decode_and_verify = [&](const BatchData & batch, const std::vector<Span> & spans,
+                                 Error & why) -> bool {
         const int64_t t0 = now_us();
+        ++result.n_decode_calls;
         try {
             s.decode_target(batch);
             s.process(batch);
         } catch (const std::exception & e) {
-            for (const Span & sp : spans) {
-                if (s.pending(sp.w->seq)) s.accept(sp.w->seq, 0);
-                clear_slot(sp.w->seq);
-                fail_seq(sp.w->seq, e);
-            }
             result.t_decode_us += now_us() - t0;
-            ++result.n_decode_calls;
-            continue;
+            const auto * err = dynamic_cast<const Error *>(&e);
+            why = err ? *err : Error(ErrorKind::Decode, e.what());
+            return false;
         }
         result.t_decode_us += now_us() - t0;
-        ++result.n_decode_calls;
         result.n_batch_tokens += static_cast<int32_t>(batch.size());
 
-        // --- verify each sequence of this sub-batch with its own sampler -------------
+        // verify each sequence of this batch with its own sampler
         const int64_t t1 = now_us();
         for (const Span & sp : spans) {
             const StepWork & w = *sp.w;
@@ -314,12 +320,47 @@ StepResult StepRunner::run_unchecked(const StepPlan & plan) {
                 s.clear_target_kv(w.seq, out.n_past, -1);
                 if (s.draft_context()) s.clear_draft_kv(w.seq, out.n_past, -1);
             }
-            if (w.begin) {
-                prompts_done.emplace_back(w.seq, out.n_past);
-            }
+            if (w.begin) prompts_done.emplace_back(w.seq, out.n_past);
             result.outputs.push_back(std::move(out));
         }
         result.t_verify_us += now_us() - t1;
+        return true;
+    };
+    auto fail_span = [&](const Span & sp, const Error & why) {
+        if (s.pending(sp.w->seq)) s.accept(sp.w->seq, 0);
+        clear_slot(sp.w->seq);
+        fail_seq(sp.w->seq, why);
+    };
+    size_t next = 0;
+    while (next < work.size()) {
+        BatchData batch;
+        std::vector<Span> spans;
+        while (next < work.size()) {
+            const size_t n = work[next]->tokens.size() + drafts[work[next]->seq].size();
+            if (!spans.empty() && batch.size() + n > n_batch) break;
+            append(batch, spans, work[next++]);
+        }
+        Error why(ErrorKind::Decode, "");
+        if (decode_and_verify(batch, spans, why)) continue;
+        if (spans.size() == 1) {
+            fail_span(spans[0], why);
+            continue;
+        }
+        // one sequence's tokens can fail the whole batch (llama.cpp rejects the batch, or
+        // the cache has no room for it): undo what the failed call may have written, then
+        // decode each sequence alone so that only the guilty one fails
+        for (const Span & sp : spans) {
+            s.clear_target_kv(sp.w->seq, sp.w->pos0, -1);
+            if (s.draft_context()) s.clear_draft_kv(sp.w->seq, sp.w->pos0, -1);
+        }
+        ++result.n_isolated_failures;
+        for (const Span & sp : spans) {
+            BatchData alone;
+            std::vector<Span> one;
+            append(alone, one, sp.w);
+            Error why_alone(ErrorKind::Decode, "");
+            if (!decode_and_verify(alone, one, why_alone)) fail_span(one[0], why_alone);
+        }
     }
     // a prompt is complete: start the drafter's generation (every proposal is settled now)
     for (const auto & [seq, n_past] : prompts_done) {

@@ -90,6 +90,8 @@ struct StepResult {
     int32_t n_decode_calls = 0;
     int32_t n_draft_calls = 0;
     int32_t n_batch_tokens = 0;
+    int32_t n_isolated_failures = 0;
+    std::string draft_error;  // the draft call failed: this step verified no drafts  // batches that failed and were retried one sequence at a time
     int64_t t_draft_us = 0, t_decode_us = 0, t_verify_us = 0, t_total_us = 0;
 };
 

@@ -315,6 +315,24 @@ async def test_stop_strings_utf8_and_limits(model_paths: dict[str, Path], models
             await engine.generate([tm.n_vocab + 1], GREEDY)
         with pytest.raises(PromptTooLongError):
             await engine.generate([1000] * 300, GREEDY)
+        bad_prompts: list[object] = [
+            [],
+            None,
+            42,
+            [1.5],
+            [True],
+            ["hi"],
+            [{"role": "user"}],
+            [{"content": "no role"}],
+            [{"role": 3, "content": "x"}],
+            [{"role": "user", "content": ["not", "text"]}],
+            [{"role": "user", "content": "x"}, 5],
+        ]
+        for bad_prompt in bad_prompts:
+            with pytest.raises(InvalidArgumentError):
+                await engine.generate(bad_prompt, GREEDY)  # type: ignore[arg-type]
+        with pytest.raises(InvalidConfigError):
+            EngineConfig(model=model_paths["walk-llama"], threads=0)
         for bad in ({"max_tokens": 0}, {"temperature": -1.0}, {"top_p": 0.0}, {"top_k": -1}, {"stop": ("",)}):
             with pytest.raises(InvalidConfigError):
                 SamplingParams(**bad)  # type: ignore[arg-type]
@@ -363,6 +381,16 @@ async def test_grammar_and_json_schema(model_paths: dict[str, Path]) -> None:
         with pytest.raises(RequestError) as info:
             await engine.generate([1000, 2000], SamplingParams(max_tokens=8, grammar="root ::= ((("))
         assert isinstance(info.value.__cause__, InvalidArgumentError)
+        # so does a malformed JSON schema, with the reason in the message
+        for bad_schema, why in (
+            ({"type": "nonsense"}, "unrecognized type"),
+            ({"type": "object", "properties": 5}, "properties must be an object"),
+            ({"$ref": "#/nowhere"}, "cannot resolve"),
+            ("{not json", "parse error"),
+        ):
+            with pytest.raises(RequestError) as info:
+                await engine.generate([1000, 2000], SamplingParams(max_tokens=8, json_schema=bad_schema))
+            assert isinstance(info.value.__cause__, InvalidArgumentError) and why in str(info.value)
         assert (await good).metrics.completion_tokens == 16
 
 

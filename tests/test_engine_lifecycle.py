@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import Engine, EngineConfig, SamplingParams, SpeculativeConfig
+from engine import Engine, EngineConfig, RequestError, SamplingParams, SpeculativeConfig
 from engine.session import ClosedError, ContextConfig, SessionError, SpeculativeSession
 from tests.conftest import ModelCache
 from tests.test_engine import config
@@ -139,3 +139,47 @@ def test_session_misuse_from_many_threads(models: ModelCache) -> None:
             session.accept(seq, 0)
     assert session.is_quiescent()
     assert session.speculative_state(0)
+
+
+@pytest.mark.parametrize("spec", ["eagle3", "none"])
+async def test_a_failing_decode_fails_only_its_request(model_paths: dict[str, Path], spec: str) -> None:
+    """A scheduler fault (one request's positions skip ahead) makes llama.cpp reject the
+    whole step's batch (or the drafter reject its draft request); the step retries each
+    sequence alone, only the guilty request fails, the others' outputs are unchanged and
+    the slot is reused."""
+    cfg = (
+        eagle_config(model_paths, draft_policy="fixed")  # the victim always drafts
+        if spec == "eagle3"
+        else config(model_paths, "walk-llama", None, "none", 4, n_ctx=512)
+    )
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompts = [[1000 + i, 2000 + i, 3000] for i in range(4)]
+    async with Engine(cfg) as engine:
+        solo = [(await engine.generate(p, params)).token_ids for p in prompts]
+        victim_prompt = [7000, 7001, 7002]
+        schedule = engine._schedule
+
+        def faulty_schedule():  # type: ignore[no-untyped-def]
+            plan = schedule()
+            for w in plan.work:
+                if w.request.prompt_tokens == victim_prompt and w.sample:
+                    w.pos0 += 3  # a gap in the sequence: llama_decode refuses the batch
+            return plan
+
+        engine._schedule = faulty_schedule  # type: ignore[method-assign]
+        victim = asyncio.create_task(engine.generate(victim_prompt, params))
+        outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts[:3]))
+        with pytest.raises(RequestError) as info:
+            await victim
+        assert isinstance(info.value.__cause__, SessionError), info.value.__cause__
+        if spec == "eagle3":  # the drafter refuses its draft request before anything runs
+            assert "exceeds the" in str(info.value), info.value
+        else:  # llama_decode refuses the batch (positions not consecutive)
+            assert "decode failed" in str(info.value), info.value
+            assert engine.metrics.isolated_failures >= 1
+        assert [o.token_ids for o in outs] == solo[:3]
+        engine._schedule = schedule  # type: ignore[method-assign]
+        assert engine.slots_in_use() == 0
+        again = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+        assert [o.token_ids for o in again] == solo
+        assert await engine.kv_positions() == [-1] * 4

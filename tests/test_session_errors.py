@@ -139,6 +139,7 @@ def test_invalid_speculative_configs(kwargs: dict[str, object]) -> None:
         {"n_batch": 0},
         {"n_ubatch": 600, "n_batch": 512},
         {"threads": -1},
+        {"threads": 0},
     ],
 )
 def test_invalid_context_configs(kwargs: dict[str, int]) -> None:

@@ -68,6 +68,8 @@ class EngineMetrics:
     max_decode_calls_per_step: int = 0  #: 1 unless a step's batch exceeded n_batch
     max_draft_calls_per_step: int = 0  #: always <= 1: one draft call for every sequence
     batch_tokens: int = 0
+    isolated_failures: int = 0  #: batches that failed and were decoded one sequence at a time
+    draft_failures: int = 0  #: steps whose draft call failed (they verified no drafts)
     occupancy_sum: float = 0.0  #: sum over steps of active sequences / n_seq
     generated_tokens: int = 0
     drafted: int = 0
@@ -345,12 +347,12 @@ class Engine:
             return (
                 await model.atokenize(prompt, add_special=add_special, parse_special=True) if prompt else []
             )
-        items = list(prompt)
+        items = list(prompt) if isinstance(prompt, list | tuple) else None
         if items and all(isinstance(m, dict) for m in items):
-            text = await model.aapply_chat_template(items)  # type: ignore[arg-type]
+            text = await model.aapply_chat_template(items)
             return await model.atokenize(text, add_special=add_special, parse_special=True)
-        ids = [t for t in items if isinstance(t, int) and not isinstance(t, bool)]
-        if len(ids) == len(items):
+        ids = [t for t in items or () if isinstance(t, int) and not isinstance(t, bool)]
+        if items is not None and len(ids) == len(items):
             return ids
         raise InvalidArgumentError(
             "prompt must be a string, a list of token ids or a list of chat messages", reason="bad prompt"
@@ -433,6 +435,12 @@ class Engine:
         if result.n_decode_calls == 1:
             self._policy.observe_step(result.n_batch_tokens, result.t_decode_us)
         m.batch_tokens += result.n_batch_tokens
+        if result.draft_error:
+            m.draft_failures += 1
+            log.warning("engine.draft_failed", error=result.draft_error)
+        if result.n_isolated_failures:
+            m.isolated_failures += result.n_isolated_failures
+            log.warning("engine.batch_failed", retried_alone=len(plan.work), failed=len(result.errors))
         m.occupancy_sum += len({w.request.slot for w in plan.work}) / self.config.n_seq
         m.last_step = {
             "decode_calls": result.n_decode_calls,

@@ -137,7 +137,7 @@ class EngineConfig:
     n_seq: int = 4
     n_ctx: int = 2048
     n_batch: int = 512
-    threads: int = 0
+    threads: int | None = None  #: CPU threads; None = all cores
     max_queue: int = 1024
     #: tokens a step keeps for prompt chunks when streams are decoding (chunked prefill)
     prefill_reserve: int = 64
@@ -164,7 +164,8 @@ class EngineConfig:
             isinstance(self.n_batch, int) and self.n_batch >= 1, f"n_batch must be >= 1, got {self.n_batch!r}"
         )
         _check(
-            isinstance(self.threads, int) and self.threads >= 0, f"threads must be >= 0, got {self.threads!r}"
+            self.threads is None or (isinstance(self.threads, int) and self.threads >= 1),
+            f"threads must be >= 1 (or None for all cores), got {self.threads!r}",
         )
         _check(isinstance(self.max_queue, int) and self.max_queue >= 0, "max_queue must be >= 0")
         _check(

@@ -69,7 +69,7 @@ class ContextConfig:
     n_seq: int = 1
     n_batch: int = 512
     n_ubatch: int | None = None  #: None = min(512, n_batch)
-    threads: int = 0  #: 0 = all cores
+    threads: int | None = None  #: CPU threads; None = all cores
     embeddings: bool = False
     #: one KV buffer for all sequences. llama.cpp then decodes any batch shape as one
     #: micro-batch; per-sequence streams (False) need the same number of tokens for every
@@ -90,7 +90,10 @@ class ContextConfig:
             isinstance(self.n_ubatch, int) and 1 <= self.n_ubatch <= self.n_batch,
             f"n_ubatch must be in [1, n_batch={self.n_batch}], got {self.n_ubatch}",
         )
-        _check(self.threads >= 0, f"threads must be >= 0 (0 = all cores), got {self.threads}")
+        _check(
+            self.threads is None or (isinstance(self.threads, int) and self.threads >= 1),
+            f"threads must be >= 1 (or None for all cores), got {self.threads!r}",
+        )
 
     @property
     def n_ctx_seq(self) -> int:

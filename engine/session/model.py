@@ -233,7 +233,7 @@ class Context:
         p.n_batch = config.n_batch
         p.n_ubatch = config.n_ubatch or config.n_batch
         p.n_seq = config.n_seq
-        p.n_threads = config.threads
+        p.n_threads = config.threads or 0  # 0: all cores, natively
         p.embeddings = config.embeddings
         p.kv_unified = config.kv_unified
         p.n_rs_seq = n_rs_seq
