@@ -9,16 +9,23 @@ compared with (their ratio is the engine's overhead).
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .scheduler import Engine, EngineConfig, SamplingParams
 from .session import Batch, Context, ContextConfig, Model, Runtime
 
 __all__ = [
+    "COPY_PROMPTS",
     "PROMPTS",
+    "PROMPT_SETS",
     "BenchResult",
+    "load_prompts",
+    "plot",
     "measure_raw",
     "percentile",
     "raw_decode_throughput",
@@ -38,6 +45,53 @@ PROMPTS = [
     "Count from one to thirty in words: one, two, three,",
     "Here is a JSON list of five fruits with their colors:\n[",
 ]
+
+_CODE = [
+    "def merge(a, b):\n    out = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n"
+    "        if a[i] <= b[j]:\n            out.append(a[i])\n            i += 1\n        else:\n"
+    "            out.append(b[j])\n            j += 1\n    out.extend(a[i:])\n    out.extend(b[j:])\n"
+    "    return out\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
+    "        self.items.append(item)\n\n    def pop(self):\n        return self.items.pop()\n\n"
+    "    def peek(self):\n        return self.items[-1]\n\n    def __len__(self):\n"
+    "        return len(self.items)\n",
+    "SELECT customers.name, orders.total\nFROM customers\nJOIN orders ON orders.customer_id = customers.id\n"
+    "WHERE orders.total > 100\nORDER BY orders.total DESC\nLIMIT 10;\n",
+    '<ul>\n  <li><a href="/home">Home</a></li>\n  <li><a href="/about">About</a></li>\n'
+    '  <li><a href="/blog">Blog</a></li>\n  <li><a href="/contact">Contact</a></li>\n</ul>\n',
+]
+
+#: copy-heavy: the answer repeats text from the prompt, where n-gram drafting shines
+COPY_PROMPTS = [
+    f"Here is some code:\n\n{code}\nHere is the same code again, unchanged:\n\n{code.split(chr(10))[0]}\n"
+    for code in _CODE
+] + [
+    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. "
+    "The quick brown fox",
+    "Repeat after me: one apple, two pears, three plums, four figs. "
+    "Again: one apple, two pears, three plums,",
+]
+
+PROMPT_SETS = {"mixed": PROMPTS, "copy": COPY_PROMPTS}
+
+
+def load_prompts(name_or_path: str) -> list[str]:
+    """A built-in prompt set (``mixed``, ``copy``) or a file: one prompt per line, or JSON
+    lines with a ``"prompt"`` field (``.jsonl``)."""
+    if name_or_path in PROMPT_SETS:
+        return PROMPT_SETS[name_or_path]
+    path = Path(name_or_path)
+    try:
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+        prompts = [str(json.loads(line)["prompt"]) for line in lines] if path.suffix == ".jsonl" else lines
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(
+            f"prompts: {name_or_path!r} is not a prompt set ({', '.join(PROMPT_SETS)}) "
+            f"or a readable prompt file ({exc})"
+        ) from None
+    if not prompts:
+        raise ValueError(f"prompts: {name_or_path} holds no prompts")
+    return prompts
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -139,25 +193,32 @@ def raw_decode_throughput(
 async def run_load(
     config: EngineConfig,
     n_streams: int,
-    n_requests: int,
+    n_requests: int | None,
     max_tokens: int,
     prompts: list[str] | None = None,
-    progress: Any = None,
+    progress: Callable[[int], None] | None = None,
+    duration: float | None = None,
 ) -> BenchResult:
-    """``n_requests`` requests through ``n_streams`` concurrent streams of one engine."""
+    """``n_streams`` concurrent clients of one engine, each sending its next request when
+    the last one ends: ``n_requests`` in all, or as many as start within ``duration``
+    seconds. ``progress(tokens)`` is called as each request ends."""
+    if (n_requests is None) == (duration is None):
+        raise ValueError("give a request count or a duration")
     prompts = prompts or PROMPTS
     result = BenchResult(n_streams, config.spec.type, 0, 0, 0.0)
-    queue: asyncio.Queue[int] = asyncio.Queue()
-    for i in range(n_requests):
-        queue.put_nowait(i)
+    counter = iter(range(n_requests if n_requests is not None else 1 << 62))
     async with Engine(config) as engine:
         # warm-up: one short request, not measured
         await engine.generate(prompts[0], SamplingParams(max_tokens=4))
-        steps0, occ0 = engine.metrics.steps, engine.metrics.occupancy_sum
+        m = engine.metrics
+        steps0, occ0, drafted0, accepted0 = m.steps, m.occupancy_sum, m.drafted, m.accepted
+        start = time.perf_counter()
+        deadline = start + duration if duration is not None else float("inf")
 
-        async def worker() -> None:
-            while not queue.empty():
-                i = queue.get_nowait()
+        async def client() -> None:
+            for i in counter:
+                if time.perf_counter() >= deadline:
+                    return
                 t0 = time.perf_counter()
                 last = None
                 n = 0
@@ -178,10 +239,7 @@ async def run_load(
                 if progress is not None:
                     progress(n)
 
-        start = time.perf_counter()
-        m = engine.metrics
-        drafted0, accepted0 = m.drafted, m.accepted
-        await asyncio.gather(*(worker() for _ in range(n_streams)))
+        await asyncio.gather(*(client() for _ in range(n_streams)))
         result.seconds = time.perf_counter() - start
         result.drafted = m.drafted - drafted0
         result.accepted = m.accepted - accepted0
@@ -192,24 +250,71 @@ async def run_load(
     return result
 
 
+def _p3(values: list[float], scale: float, fmt: str) -> str:
+    return "/".join(format(scale * percentile(values, q), fmt) for q in (0.5, 0.9, 0.99))
+
+
 def summarize(results: list[BenchResult]) -> str:
     """A table: engine tok/s, raw decode tok/s, their ratio, acceptance, latencies."""
     head = (
         f"{'N':>4} {'spec':>14} {'tok/s':>8} {'raw tok/s':>10} {'ratio':>6} {'req/s':>6} {'accept':>7} "
-        f"{'acc.len':>7} {'occup':>6} {'TTFT p50/p90/p99 (s)':>22} {'ITL p50/p90/p99 (ms)':>22}"
+        f"{'acc.len':>7} {'occup':>6} {'TTFT p50/90/99 s':>18} {'ITL p50/90/99 ms':>18} "
+        f"{'e2e p50/90/99 s':>18}"
     )
     lines = [head, "-" * len(head)]
     for r in results:
         raw = r.raw_tokens_per_s
         ratio = f"{r.tokens_per_s / raw:6.2f}" if raw else "     -"
-        ttft = "/".join(f"{percentile(r.ttft, q):.2f}" for q in (0.5, 0.9, 0.99))
-        itl = "/".join(f"{1000 * percentile(r.itl, q):.0f}" for q in (0.5, 0.9, 0.99))
         lines.append(
             f"{r.n_streams:>4} {r.speculative:>14} {r.tokens_per_s:8.1f} "
             f"{(raw or float('nan')):10.1f} {ratio} {r.requests_per_s:6.2f} {r.acceptance_rate:7.1%} "
-            f"{r.mean_acceptance_length:7.2f} {r.occupancy:6.2f} {ttft:>22} {itl:>22}"
+            f"{r.mean_acceptance_length:7.2f} {r.occupancy:6.2f} {_p3(r.ttft, 1, '.2f'):>18} "
+            f"{_p3(r.itl, 1000, '.0f'):>18} {_p3(r.e2e, 1, '.2f'):>18}"
         )
     return "\n".join(lines)
+
+
+def plot(results: list[BenchResult], path: str | Path, title: str = "") -> None:
+    """Throughput and p90 latencies against N, one line per speculative type (and the raw
+    decode ceiling), as a PNG. Needs matplotlib (the ``demo`` extra)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    specs = list(dict.fromkeys(r.speculative for r in results))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5), constrained_layout=True)
+    panels: list[tuple[str, Callable[[BenchResult], float]]] = [
+        ("output tokens/s", lambda r: r.tokens_per_s),
+        ("time to first token p90 (s)", lambda r: percentile(r.ttft, 0.9)),
+        ("inter-token latency p90 (ms)", lambda r: 1000 * percentile(r.itl, 0.9)),
+    ]
+    for ax, (label, value) in zip(axes, panels, strict=True):
+        for spec in specs:
+            rows = sorted((r for r in results if r.speculative == spec), key=lambda r: r.n_streams)
+            name = "no speculation" if spec == "none" else spec
+            ax.plot([r.n_streams for r in rows], [value(r) for r in rows], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent streams N")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+    raw = sorted({(r.n_streams, r.raw_tokens_per_s) for r in results if r.raw_tokens_per_s})
+    if raw:
+        axes[0].plot(
+            [n for n, _ in raw],
+            [t for _, t in raw],
+            "k--",
+            marker="x",
+            label="raw batched decode (llama.cpp)",
+        )
+    axes[0].legend(fontsize=8)
+    for ax in axes:
+        ticks = sorted({r.n_streams for r in results})
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+    if title:
+        fig.suptitle(title)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def measure_raw(model_path: str, n_values: list[int], threads: int | None) -> dict[int, float]:

@@ -1,22 +1,34 @@
-"""Command line: ``python -m engine run|bench``. Errors are one line, not a traceback."""
+"""Command line: ``python -m engine run | chat | bench``. Errors are one line, not a traceback."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import json
 import logging
+import os
+import platform
+import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import structlog
 
-from .bench import PROMPTS, measure_raw, run_load, summarize
+from .bench import PROMPT_SETS, BenchResult, load_prompts, measure_raw, plot, run_load, summarize
+from .chat import chat_loop
 from .scheduler import Engine, EngineConfig, SamplingParams
 from .scheduler.params import default_model_path
 from .session import SessionError, SpeculativeConfig
 
 __all__ = ["main"]
+
+SPEC_TYPES = (
+    "none, ngram-simple, ngram-map-k, ngram-map-k4v, ngram-mod, ngram-cache (no draft model); "
+    "draft, eagle3, dflash, dspark (need --draft); mtp (models with NextN layers)"
+)
 
 
 def _engine_config(args: argparse.Namespace, speculative: str, n_seq: int) -> EngineConfig:
@@ -28,7 +40,7 @@ def _engine_config(args: argparse.Namespace, speculative: str, n_seq: int) -> En
         ngram_size_m=args.n_draft,
     )
     return EngineConfig(
-        model=args.model,
+        model=args.model or default_model_path(),
         draft_model=args.draft if spec.needs_draft_model else None,
         speculative=spec,
         n_seq=n_seq,
@@ -37,85 +49,207 @@ def _engine_config(args: argparse.Namespace, speculative: str, n_seq: int) -> En
     )
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=Path, help="target GGUF (default: Gemma 3 270M, from the demo extra)")
-    p.add_argument("--draft", type=Path, help="draft GGUF for --spec draft / eagle3 / dflash")
-    p.add_argument("--n-draft", type=int, default=6, help="most draft tokens per step (default 6)")
-    p.add_argument("--ngram-n", type=int, default=3, help="n-gram key length for n-gram drafters (default 3)")
-    p.add_argument("--n-ctx", type=int, default=1024, help="context per sequence (default 1024)")
-    p.add_argument("--threads", type=int, help="CPU threads (default: all cores)")
+def _add_model_args(p: argparse.ArgumentParser, n_ctx: int) -> None:
+    g = p.add_argument_group("model and speculation")
+    g.add_argument("--model", type=Path, help="target GGUF (default: Gemma 3 270M, from the demo extra)")
+    g.add_argument("--draft", type=Path, help="draft GGUF, for --spec draft / eagle3 / dflash / dspark")
+    g.add_argument("--n-draft", type=int, default=6, help="most draft tokens per step (default 6)")
+    g.add_argument("--ngram-n", type=int, default=3, help="n-gram key length of n-gram drafters (default 3)")
+    g.add_argument("--n-ctx", type=int, default=n_ctx, help=f"context of one sequence (default {n_ctx})")
+    g.add_argument("--threads", type=int, help="CPU threads (default: all cores)")
+
+
+def _sampling(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
 
 
 async def _run(args: argparse.Namespace) -> int:
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     async with Engine(_engine_config(args, args.spec, 1)) as engine:
         final = None
-        async for delta in engine.stream(
-            prompt, SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
-        ):
+        async for delta in engine.stream(prompt, _sampling(args)):
             sys.stdout.write(delta.text)
             sys.stdout.flush()
-            final = delta
-        m = engine.metrics
+            final = delta.output or final
+        assert final is not None
+        m = final.metrics
         print(
-            f"\n\n[{args.spec}] finish={final.finish_reason if final else None} "
-            f"tokens={m.generated_tokens} drafted={m.drafted} accepted={m.accepted} "
-            f"acceptance={m.acceptance_rate:.1%} steps={m.steps}",
+            f"\n\n[{args.spec}] finish={final.finish_reason} prompt={m.prompt_tokens} tokens={m.completion_tokens} "
+            f"tok/s={m.tokens_per_s:.1f} TTFT={1000 * (m.ttft or 0):.0f}ms drafted={m.drafted} "
+            f"accepted={m.accepted} acceptance={m.acceptance_rate:.1%} "
+            f"mean acceptance length={m.mean_acceptance_length:.2f}",
             file=sys.stderr,
         )
     return 0
 
 
+async def _chat(args: argparse.Namespace) -> int:
+    async with Engine(_engine_config(args, args.spec, 1)) as engine:
+        return await chat_loop(engine, _sampling(args), system=args.system, measure_cold=not args.no_cold)
+
+
+def _machine() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "system": platform.platform(),
+        "python": platform.python_version(),
+    }
+
+
+def _progress(total: int | None, desc: str) -> tuple[Callable[[int], None] | None, Callable[[], None]]:
+    """A progress bar on stderr: (called per finished request, close)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the demo extra brings tqdm; without it, no bar
+        return None, lambda: None
+    bar = tqdm(total=total, desc=desc, unit="req", file=sys.stderr, leave=False, dynamic_ncols=True)
+
+    def tick(_tokens: int) -> None:
+        bar.update(1)
+
+    return tick, bar.close
+
+
 async def _bench(args: argparse.Namespace) -> int:
     n_values = [int(x) for x in args.streams.split(",")]
+    specs = args.spec.split(",")
+    prompts = load_prompts(args.prompts)
     model = str(args.model or default_model_path())
     args.model = model
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     print(f"model: {model}\nraw batched decode (llama.cpp, no scheduling) at N = {n_values} ...", flush=True)
     raw = await asyncio.to_thread(measure_raw, model, n_values, args.threads)
-    results = []
-    for spec in args.spec.split(","):
+    results: list[BenchResult] = []
+    for spec in specs:
         for n in n_values:
-            n_req = max(n, args.requests)
-            print(f"engine: {spec:>14} N={n:<3} {n_req} requests x {args.max_tokens} tokens ...", flush=True)
-            r = await run_load(_engine_config(args, spec, n), n, n_req, args.max_tokens, PROMPTS)
+            n_req = None if args.duration else max(n, args.requests)
+            what = f"{args.duration:g} s" if args.duration else f"{n_req} requests"
+            print(f"engine: {spec:>14} N={n:<3} {what} x {args.max_tokens} tokens ...", flush=True)
+            tick, close = _progress(n_req, f"{spec} N={n}")
+            r = await run_load(
+                _engine_config(args, spec, args.n_seq or n),
+                n,
+                n_req,
+                args.max_tokens,
+                prompts,
+                progress=tick,
+                duration=args.duration,
+            )
+            close()
             r.raw_tokens_per_s = raw[n]
             results.append(r)
     print()
     print(summarize(results))
-    if args.json:
-        Path(args.json).write_text(json.dumps([r.as_dict() for r in results], indent=2))
-        print(f"\nwrote {args.json}")
+    report = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "model": model,
+        "machine": _machine(),
+        "command": "python -m engine " + shlex.join(args.argv),
+        "settings": {
+            "streams": n_values,
+            "speculative": specs,
+            "prompts": args.prompts,
+            "max_tokens": args.max_tokens,
+            "requests": args.requests,
+            "duration": args.duration,
+            "n_seq": args.n_seq,
+            "n_draft": args.n_draft,
+            "threads": args.threads,
+        },
+        "results": [r.as_dict() for r in results],
+    }
+    (out / "bench.json").write_text(json.dumps(report, indent=2))
+    print(f"\nwrote {out / 'bench.json'}")
+    try:
+        plot(
+            results,
+            out / "bench.png",
+            title=f"{Path(model).name}, {args.prompts} prompts, {args.max_tokens} tokens",
+        )
+        print(f"wrote {out / 'bench.png'}")
+    except ImportError:
+        print("no plot: matplotlib is missing (pip install 'llama-spec-engine[demo]')")
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m engine", description="Speculative-decoding serving engine on llama.cpp."
+        prog="python -m engine",
+        description="Speculative decoding on llama.cpp for many concurrent streams. "
+        "Without --model, every command uses Gemma 3 270M (pip install 'llama-spec-engine[demo]').",
     )
-    sub = ap.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="stream one completion to the terminal")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="{run,chat,bench}")
+
+    run = sub.add_parser(
+        "run", help="stream one completion to the terminal", description="Stream one completion."
+    )
     run.add_argument("prompt", nargs="?", help="the prompt (default: read stdin)")
-    run.add_argument("--spec", default="ngram-simple", help="speculative type (default ngram-simple)")
-    run.add_argument("--max-tokens", type=int, default=256)
-    run.add_argument("--temperature", type=float, default=0.0)
-    _add_model_args(run)
-    bench = sub.add_parser("bench", help="N concurrent streams, speculation on/off, vs raw decode")
+    chat = sub.add_parser(
+        "chat",
+        help="a terminal chatbot",
+        description="Chat in the terminal: streamed replies, multi-turn KV reuse, /save and /load.",
+    )
+    chat.add_argument("--system", help="a system message")
+    chat.add_argument("--no-cold", action="store_true", help="do not measure each turn's TTFT from scratch")
+    for p, max_tokens, temperature, n_ctx in ((run, 256, 0.0, 1024), (chat, 512, 0.7, 4096)):
+        p.add_argument(
+            "--spec", default="ngram-simple", help=f"speculative type (default ngram-simple): {SPEC_TYPES}"
+        )
+        p.add_argument("--max-tokens", type=int, default=max_tokens, help=f"default {max_tokens}")
+        p.add_argument(
+            "--temperature", type=float, default=temperature, help=f"0 = greedy (default {temperature})"
+        )
+        p.add_argument("--seed", type=int, help="sampling seed (default: random)")
+        _add_model_args(p, n_ctx)
+
+    bench = sub.add_parser(
+        "bench",
+        help="load test: N concurrent streams, speculation on/off, vs raw decode",
+        description="Load test: for each N, N concurrent clients send requests back to back; reports "
+        "throughput, latency percentiles and acceptance against llama.cpp's raw batched decode, and "
+        "writes OUT/bench.json and OUT/bench.png.",
+    )
     bench.add_argument("--streams", default="1,4,16,64", help="comma-separated N (default 1,4,16,64)")
     bench.add_argument(
         "--spec",
         default="none,ngram-simple",
         help="comma-separated speculative types (default none,ngram-simple)",
     )
-    bench.add_argument("--requests", type=int, default=8, help="requests per N (at least N; default 8)")
-    bench.add_argument("--max-tokens", type=int, default=48)
-    bench.add_argument("--json", help="also write the results as JSON to this file")
-    _add_model_args(bench)
-    args = ap.parse_args(argv)
+    bench.add_argument("--requests", type=int, default=8, help="requests per N, at least N (default 8)")
+    bench.add_argument("--duration", type=float, help="instead of --requests: seconds of load per N")
+    bench.add_argument(
+        "--prompts",
+        default="mixed",
+        help=f"prompt set ({', '.join(PROMPT_SETS)}; copy = copy-heavy) or a file, one prompt per line "
+        "or .jsonl with a 'prompt' field (default mixed)",
+    )
+    bench.add_argument("--max-tokens", type=int, default=48, help="tokens per request (default 48)")
+    bench.add_argument("--n-seq", type=int, help="sequence slots (default: N; fewer makes requests queue)")
+    bench.add_argument("--out", default="bench-results", help="where bench.json and bench.png go")
+    _add_model_args(bench, 1024)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = _parser().parse_args(argv)
+    args.argv = argv
     if not logging.getLogger().handlers:
         structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    command = {"run": _run, "chat": _chat, "bench": _bench}[args.command]
     try:
-        return asyncio.run(_run(args) if args.command == "run" else _bench(args))
-    except SessionError as exc:
+        return asyncio.run(command(args))
+    except (SessionError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

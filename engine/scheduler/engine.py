@@ -232,10 +232,14 @@ class Engine:
         request_id: str | None = None,
         resume_from: bytes | None = None,
         priority: int = 0,
+        checkpoint: bool = False,
     ) -> AsyncIterator[Delta]:
-        """Stream a completion as :class:`Delta` pieces (whole UTF-8 characters). Leaving the
-        loop early aborts the request."""
-        request = await self._submit(prompt, params, request_id, resume_from, priority, False, stream=True)
+        """Stream a completion as :class:`Delta` pieces (whole UTF-8 characters). The last
+        delta carries the whole result in ``delta.output`` (with the final state when
+        ``checkpoint=True``). Leaving the loop early aborts the request."""
+        request = await self._submit(
+            prompt, params, request_id, resume_from, priority, checkpoint, stream=True
+        )
         assert request.stream is not None
         try:
             while True:
@@ -573,7 +577,8 @@ class Engine:
         for f in waiters:
             if not f.done():
                 f.set_exception(UnknownRequestError(f"request {r.request_id!r} ended before its checkpoint"))
-        r.push(Delta(r.assembler.take(final=True), list(new_ids or []), reason))
+        text = r.assembler.take(final=True)
+        r.push(Delta(text, list(new_ids or []), reason, r.output()))
         if r.stream is not None:
             r.stream.put_nowait(None)
         self._requests.pop(r.request_id, None)

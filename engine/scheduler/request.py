@@ -83,15 +83,6 @@ class RequestMetrics:
 
 
 @dataclass
-class Delta:
-    """A piece of a streamed completion: always whole UTF-8 characters."""
-
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None
-
-
-@dataclass
 class RequestOutput:
     """The result of :meth:`Engine.generate`."""
 
@@ -101,6 +92,17 @@ class RequestOutput:
     finish_reason: str
     metrics: RequestMetrics
     checkpoint: bytes | None = None
+
+
+@dataclass
+class Delta:
+    """A piece of a streamed completion: always whole UTF-8 characters."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    #: on the last delta only: the whole result (text, metrics, final checkpoint)
+    output: RequestOutput | None = None
 
 
 class TextAssembler:
