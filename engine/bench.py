@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -195,13 +195,15 @@ async def run_load(
     n_streams: int,
     n_requests: int | None,
     max_tokens: int,
-    prompts: list[str] | None = None,
+    prompts: Sequence[str | list[int]] | None = None,
     progress: Callable[[int], None] | None = None,
     duration: float | None = None,
+    outputs: dict[int, list[int]] | None = None,
 ) -> BenchResult:
     """``n_streams`` concurrent clients of one engine, each sending its next request when
     the last one ends: ``n_requests`` in all, or as many as start within ``duration``
-    seconds. ``progress(tokens)`` is called as each request ends."""
+    seconds; request ``i`` sends ``prompts[i % len(prompts)]`` (text or token ids).
+    ``progress(tokens)`` is called as each request ends; ``outputs[i]`` gets its tokens."""
     if (n_requests is None) == (duration is None):
         raise ValueError("give a request count or a duration")
     prompts = prompts or PROMPTS
@@ -221,7 +223,7 @@ async def run_load(
                     return
                 t0 = time.perf_counter()
                 last = None
-                n = 0
+                ids: list[int] = []
                 async for delta in engine.stream(
                     prompts[i % len(prompts)], SamplingParams(max_tokens=max_tokens, ignore_eos=True)
                 ):
@@ -232,12 +234,14 @@ async def run_load(
                         else:
                             result.itl.append((now - last) / len(delta.token_ids))
                         last = now
-                        n += len(delta.token_ids)
+                        ids += delta.token_ids
                 result.e2e.append(time.perf_counter() - t0)
-                result.tokens += n
+                result.tokens += len(ids)
                 result.requests += 1
+                if outputs is not None:
+                    outputs[i] = ids
                 if progress is not None:
-                    progress(n)
+                    progress(len(ids))
 
         await asyncio.gather(*(client() for _ in range(n_streams)))
         result.seconds = time.perf_counter() - start

@@ -12,9 +12,10 @@ import pytest
 pytestmark = pytest.mark.timeout(300)
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+def run_cli(*args: str, input: str | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "engine", *args],
+        input=input,
         capture_output=True,
         text=True,
         timeout=240,
@@ -22,8 +23,20 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def run_example(name: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, f"examples/{name}", *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=Path(__file__).parent.parent,
+    )
+
+
+TINY = ("--n-ctx", "256", "--threads", "2")
+
+
 def test_bench_on_a_tiny_model(model_paths: dict[str, Path], tmp_path: Path) -> None:
-    out = tmp_path / "bench.json"
     done = run_cli(
         "bench",
         "--model",
@@ -36,24 +49,81 @@ def test_bench_on_a_tiny_model(model_paths: dict[str, Path], tmp_path: Path) -> 
         "2",
         "--max-tokens",
         "12",
-        "--n-ctx",
-        "256",
-        "--threads",
-        "2",
-        "--json",
-        str(out),
+        "--prompts",
+        "copy",
+        "--out",
+        str(tmp_path),
+        *TINY,
     )
     assert done.returncode == 0, done.stderr
-    assert "raw tok/s" in done.stdout and "ngram-simple" in done.stdout
-    rows = json.loads(out.read_text())
+    assert "raw tok/s" in done.stdout and "ngram-simple" in done.stdout and "e2e" in done.stdout
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["settings"]["prompts"] == "copy" and report["machine"]["cores"] >= 1
+    assert report["command"].startswith("python -m engine bench --model")
+    rows = report["results"]
     assert [(r["n_streams"], r["speculative"]) for r in rows] == [
         (1, "none"),
         (2, "none"),
         (1, "ngram-simple"),
         (2, "ngram-simple"),
     ]
-    assert all(r["tokens"] == r["requests"] * 12 and r["raw_decode_tokens_per_s"] > 0 for r in rows)
+    for r in rows:
+        assert r["tokens"] == r["requests"] * 12 and r["raw_decode_tokens_per_s"] > 0
+        assert 0 < r["ttft_p50"] <= r["ttft_p99"] and 0 < r["e2e_p50"] <= r["e2e_p99"]
     assert rows[-1]["acceptance_rate"] > 0  # the cycle repeats: n-gram drafts are accepted
+    png = (tmp_path / "bench.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+
+
+def test_load_test_example_for_a_duration_with_a_prompt_file(
+    model_paths: dict[str, Path], tmp_path: Path
+) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "one two three"}\n{"prompt": "four five"}\n')
+    done = run_example(
+        "load_test.py",
+        "--model",
+        str(model_paths["walk-llama"]),
+        "--streams",
+        "3",
+        "--spec",
+        "none",
+        "--duration",
+        "1.5",
+        "--max-tokens",
+        "8",
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(tmp_path / "out"),
+        *TINY,
+    )
+    assert done.returncode == 0, done.stderr
+    (row,) = json.loads((tmp_path / "out" / "bench.json").read_text())["results"]
+    assert row["requests"] >= 3 and row["tokens"] == 8 * row["requests"]
+    assert row["seconds"] >= 1.5
+    bad = run_cli("bench", "--prompts", str(tmp_path / "missing.txt"), "--model", str(model_paths["llama"]))
+    assert bad.returncode == 1 and bad.stderr.startswith("error: prompts:") and "Traceback" not in bad.stderr
+
+
+def test_chat_reuses_the_previous_turn_and_survives_save_and_load(
+    model_paths: dict[str, Path], tmp_path: Path
+) -> None:
+    saved = tmp_path / "conversation.json"
+    args = ("--model", str(model_paths["walk-llama"]), "--max-tokens", "8", "--temperature", "0", *TINY)
+    first = run_cli("chat", *args, input=f"hello there\nhow are you\n/save {saved}\n")
+    assert first.returncode == 0, first.stderr
+    status = [line for line in first.stderr.splitlines() if line.startswith("[8 tokens")]
+    assert len(status) == 2, first.stderr
+    assert "prompt tokens" in status[0]  # the first turn reads its prompt
+    assert " cached" in status[1] and "cold start" in status[1]  # the second resumes it
+    assert len(first.stdout.strip().splitlines()) == 2 and saved.exists()
+    # a new process continues the saved conversation without re-reading it
+    second = run_cli("chat", *args, input=f"/load {tmp_path / 'nope.json'}\n/load {saved}\nand then\n")
+    assert second.returncode == 0, second.stderr
+    assert "error: cannot load" in second.stderr and "[loaded 4 messages" in second.stderr
+    (status,) = [line for line in second.stderr.splitlines() if line.startswith("[8 tokens")]
+    assert " cached" in status, second.stderr
 
 
 def test_run_streams_a_completion(model_paths: dict[str, Path]) -> None:

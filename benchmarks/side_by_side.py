@@ -1,0 +1,420 @@
+"""Side-by-side benchmark: our engine against llama.cpp's own tools and llama-cpp-python,
+in one run, on the same machine, model, prompts (as token ids) and token counts.
+
+1. raw decode ceiling: ``llama-batched-bench`` (the pinned tree's, see build_reference.sh)
+   at the same batch sizes: text-generation tokens/s with no scheduling at all;
+2. ``llama-server`` (same tree) with ``-np N`` and the same speculative settings, driven
+   by N concurrent streaming HTTP clients;
+3. our engine with N concurrent streams;
+4. llama-cpp-python (PyPI, in its own virtual environment) answering the same requests one
+   after another: what Python users have today.
+
+Greedy everywhere, end-of-generation ignored, every request ``--max-tokens`` long. As a
+correctness cross-check, our greedy tokens and llama-server's must match exactly with
+speculation off and one stream (identical batch shapes); at higher N the agreement rate is
+reported (llama.cpp is not batch-invariant on quantized models).
+
+    pip install -e ".[demo]" httpx
+    ./benchmarks/build_reference.sh            # llama-server, llama-batched-bench
+    python benchmarks/side_by_side.py --setup-llama-cpp-python
+    python benchmarks/side_by_side.py          # writes BENCHMARKS.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from engine import EngineConfig, SpeculativeConfig
+from engine.bench import BenchResult, load_prompts, percentile, run_load
+from engine.cli import _machine
+from engine.scheduler.params import default_model_path
+from engine.session import Model, Runtime
+
+ROOT = Path(__file__).resolve().parent.parent
+REF_BIN = ROOT / "build" / "reference" / "bin"
+LCP_VENV = ROOT / "build" / "llama-cpp-python-venv"
+LCP_VERSION = "0.3.36"  # the release whose source distribution pins our llama.cpp
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+@dataclass
+class Setup:
+    model: str
+    prompts: list[list[int]]  # token ids, BOS included
+    max_tokens: int
+    threads: int
+    n_ctx: int  # per sequence
+    n_draft: int
+    ngram_n: int
+
+    def requests(self, n: int, per_n: int) -> list[list[int]]:
+        return [self.prompts[i % len(self.prompts)] for i in range(max(n, per_n))]
+
+
+# --- 1. llama-batched-bench -----------------------------------------------------------
+def raw_ceiling(s: Setup, n_values: list[int]) -> tuple[dict[int, float], str]:
+    pp = round(sum(len(p) for p in s.prompts) / len(s.prompts))
+    cmd = [
+        str(REF_BIN / "llama-batched-bench"),
+        "-m", s.model,
+        "-c", str(max(n_values) * (pp + s.max_tokens + 16)),
+        "-b", "512", "-ub", "512",
+        "-npp", str(pp), "-ntg", str(s.max_tokens), "-npl", ",".join(map(str, n_values)),
+        "-t", str(s.threads), "-tb", str(s.threads),
+        "--output-format", "jsonl",
+    ]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return {int(r["pl"]): float(r["speed_tg"]) for r in rows}, shlex.join(cmd)
+
+
+# --- 2. llama-server ------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def server_command(s: Setup, n: int, spec: str, port: int) -> list[str]:
+    cmd = [
+        str(REF_BIN / "llama-server"),
+        "-m", s.model, "--host", "127.0.0.1", "--port", str(port),
+        "-np", str(n), "-c", str(n * s.n_ctx), "-b", "512", "-ub", "512",
+        "-t", str(s.threads), "-tb", str(s.threads),
+        # the KV layout our engine picks (one buffer up to 16 sequences), no prompt cache
+        "-kvu" if n <= 16 else "-no-kvu", "--cache-ram", "0", "--no-ui",
+    ]  # fmt: skip
+    if spec != "none":
+        cmd += ["--spec-type", spec, "--spec-draft-n-max", str(s.n_draft)]
+        if spec == "ngram-simple":
+            cmd += [
+                "--spec-ngram-simple-size-n", str(s.ngram_n),
+                "--spec-ngram-simple-size-m", str(s.n_draft),
+                "--spec-ngram-simple-min-hits", "1",
+            ]  # fmt: skip
+    return cmd
+
+
+async def _server_request(client: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    body = {
+        "prompt": prompt,
+        "n_predict": max_tokens,
+        "temperature": 0.0,
+        "top_k": 1,
+        "ignore_eos": True,
+        "cache_prompt": False,
+        "stream": True,
+        "return_tokens": True,
+    }
+    t0 = time.perf_counter()
+    last = None
+    tokens: list[int] = []
+    ttft, itl, timings = None, [], {}
+    async with client.stream("POST", "/completion", json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            chunk = json.loads(line[6:])
+            new = chunk.get("tokens") or []
+            now = time.perf_counter()
+            if new:
+                if last is None:
+                    ttft = now - t0
+                else:
+                    itl.append((now - last) / len(new))
+                last = now
+                tokens += new
+            timings = chunk.get("timings") or timings
+    return {"tokens": tokens, "ttft": ttft, "itl": itl, "e2e": time.perf_counter() - t0, "timings": timings}
+
+
+async def run_server(s: Setup, n: int, spec: str, requests: list[list[int]]) -> tuple[BenchResult, list, str]:
+    port = _free_port()
+    cmd = server_command(s, n, spec, port)
+    log = open(ROOT / "build" / "reference" / f"server-{spec}-{n}.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600) as client:
+            for _ in range(600):
+                try:
+                    if (await client.get("/health")).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if proc.poll() is not None:
+                    raise RuntimeError(f"llama-server exited ({proc.returncode}); see {log.name}")
+                await asyncio.sleep(0.2)
+            await _server_request(client, requests[0], 4)  # warm-up
+            result = BenchResult(n, spec, 0, 0, 0.0)
+            outputs: list[list[int] | None] = [None] * len(requests)
+            queue = iter(range(len(requests)))
+
+            async def worker() -> None:
+                for i in queue:
+                    r = await _server_request(client, requests[i], s.max_tokens)
+                    outputs[i] = r["tokens"]
+                    result.ttft.append(r["ttft"])
+                    result.itl += r["itl"]
+                    result.e2e.append(r["e2e"])
+                    result.tokens += len(r["tokens"])
+                    result.requests += 1
+                    result.drafted += int(r["timings"].get("draft_n", 0))
+                    result.accepted += int(r["timings"].get("draft_n_accepted", 0))
+
+            start = time.perf_counter()
+            await asyncio.gather(*(worker() for _ in range(n)))
+            result.seconds = time.perf_counter() - start
+            result.decode_steps = result.tokens - result.accepted
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+    return result, outputs, shlex.join(cmd)
+
+
+# --- 3. our engine --------------------------------------------------------------------
+async def run_ours(s: Setup, n: int, spec: str, requests: list[list[int]]) -> tuple[BenchResult, list]:
+    config = EngineConfig(
+        model=s.model,
+        speculative=SpeculativeConfig(
+            spec, n_seq=n, n_draft_max=s.n_draft, ngram_size_n=s.ngram_n, ngram_size_m=s.n_draft
+        ),
+        n_seq=n,
+        n_ctx=s.n_ctx,
+        threads=s.threads,
+    )
+    outputs: dict[int, list[int]] = {}
+    result = await run_load(config, n, len(requests), s.max_tokens, requests, outputs=outputs)
+    return result, [outputs.get(i) for i in range(len(requests))]
+
+
+# --- 4. llama-cpp-python --------------------------------------------------------------
+def setup_llama_cpp_python() -> None:
+    """A separate virtual environment with llama-cpp-python from PyPI (compiles its own
+    copy of the same llama.cpp; AMX off as in our build)."""
+    subprocess.run([sys.executable, "-m", "venv", str(LCP_VENV)], check=True)
+    env = dict(
+        os.environ, CMAKE_ARGS=f"-DGGML_NATIVE=ON -DCMAKE_C_FLAGS='{NO_AMX}' -DCMAKE_CXX_FLAGS='{NO_AMX}'"
+    )
+    subprocess.run(
+        [str(LCP_VENV / "bin" / "pip"), "install", "--no-cache-dir", f"llama-cpp-python=={LCP_VERSION}"],
+        check=True,
+        env=env,
+    )
+
+
+def run_llama_cpp_python(s: Setup, spec: str, requests: list[list[int]]) -> tuple[BenchResult, list, str]:
+    job = {
+        "model": s.model,
+        "prompts": requests,
+        "max_tokens": s.max_tokens,
+        "threads": s.threads,
+        "n_ctx": s.n_ctx,
+    }
+    worker = Path(__file__).parent / "llama_cpp_python_worker.py"
+    cmd = [str(LCP_VENV / "bin" / "python"), str(worker)]
+    done = subprocess.run(cmd, input=json.dumps(job), capture_output=True, text=True, check=True)
+    data = json.loads(done.stdout)
+    result = BenchResult(1, spec, len(requests), 0, float(data["seconds"]))
+    for r in data["requests"]:
+        result.tokens += len(r["tokens"])
+        result.ttft.append(r["ttft"])
+        result.itl += r["itl"]
+        result.e2e.append(r["e2e"])
+    result.decode_steps = result.tokens
+    return result, [r["tokens"] for r in data["requests"]], f"llama-cpp-python {data['version']}"
+
+
+# --- report ---------------------------------------------------------------------------
+def agreement(a: list, b: list) -> float:
+    pairs = [(x, y) for x, y in zip(a, b, strict=True) if x is not None and y is not None]
+    return sum(x == y for x, y in pairs) / len(pairs) if pairs else float("nan")
+
+
+def _ratio(a: float, b: float | None) -> str:
+    return f"{a / b:.2f}" if b else "-"
+
+
+def _ms(values: list[float], q: float) -> str:
+    return f"{1000 * percentile(values, q):.0f}" if values else "-"
+
+
+def report(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    lines = [
+        "# Benchmarks: side by side",
+        "",
+        f"Measured {meta['date']} on {meta['machine']['cpu']} ({meta['machine']['cores']} cores, "
+        f"{meta['machine']['system']}), model `{Path(meta['model']).name}`, {meta['threads']} threads, "
+        f"{meta['requests']} requests per N (at least N), {meta['max_tokens']} generated tokens each "
+        f"(end-of-generation ignored), greedy, `{meta['prompts']}` prompts sent as the same token ids "
+        "to everyone. One process at a time on the machine.",
+        "",
+        "Throughput is generated tokens per second over the whole run (all N streams together); "
+        "ratios are ours ÷ the reference (> 1: we are faster). The raw ceiling is "
+        "`llama-batched-bench`'s text-generation speed at batch N: one token per sequence per "
+        "decode, no sampling, no scheduling, no HTTP. llama-cpp-python answers the same requests "
+        "one after another (it serves one stream), so its figure is the same at every N.",
+        "",
+        "| N | speculation | ours tok/s | llama-server tok/s | ours ÷ server | raw ceiling tok/s "
+        "| ours ÷ raw | llama-cpp-python tok/s | ours ÷ l-c-p | TTFT p50 ms ours / server "
+        "| ITL p50 ms ours / server | acceptance ours / server | same tokens as server |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        ours, srv, lcp, raw = r["ours"], r["server"], r.get("lcp"), r.get("raw")
+        lcp_tps = lcp.tokens_per_s if lcp else None
+        lines.append(
+            f"| {r['n']} | {r['spec']} | {ours.tokens_per_s:.1f} | {srv.tokens_per_s:.1f} | "
+            f"{_ratio(ours.tokens_per_s, srv.tokens_per_s)} | {raw:.1f} | "
+            f"{_ratio(ours.tokens_per_s, raw)} | "
+            f"{f'{lcp_tps:.1f}' if lcp_tps else '-'} | {_ratio(ours.tokens_per_s, lcp_tps)} | "
+            f"{_ms(ours.ttft, 0.5)} / {_ms(srv.ttft, 0.5)} | {_ms(ours.itl, 0.5)} / {_ms(srv.itl, 0.5)} | "
+            f"{ours.acceptance_rate:.0%} / {srv.acceptance_rate:.0%} | {r['agreement']:.0%} |"
+        )
+    lines += [
+        "",
+        "Correctness cross-check: with speculation off and one stream, our greedy tokens and "
+        f"llama-server's agree on {meta['agreement_n1']:.0%} of requests (must be 100%). At higher N "
+        "the column above is the share of requests with identical tokens; llama.cpp is not "
+        "batch-invariant on quantized models, so different batch shapes may flip near-ties.",
+        "",
+        "## Commands",
+        "",
+        "Whole run:",
+        "",
+        f"    {meta['command']}",
+        "",
+        "References as run (one llama-server per N and speculative type):",
+        "",
+        *[f"    {c}" for c in meta["commands"]],
+        "",
+        "Ours: `engine.bench.run_load` (what `python -m engine bench` runs) with "
+        "`EngineConfig(n_seq=N, n_ctx=...)` and the same speculative settings "
+        "(`SpeculativeConfig(type, n_draft_max, ngram_size_n, ngram_size_m)`); our adaptive "
+        "draft-length policy is on, llama-server drafts `--spec-draft-n-max` every step.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+async def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="GGUF (default: Gemma 3 270M from the demo extra)")
+    ap.add_argument("--streams", default="1,4,16,64")
+    ap.add_argument("--spec", default="none,ngram-simple")
+    ap.add_argument("--requests", type=int, default=16, help="requests per N (at least N)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--prompts", default="mixed", help="mixed, copy, or a file (as python -m engine bench)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--n-ctx", type=int, default=1024, help="context per sequence")
+    ap.add_argument("--n-draft", type=int, default=6)
+    ap.add_argument("--ngram-n", type=int, default=3)
+    ap.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
+    ap.add_argument("--json", default=str(ROOT / "benchmarks" / "side_by_side.json"))
+    ap.add_argument("--setup-llama-cpp-python", action="store_true", help="create its venv, then exit")
+    args = ap.parse_args()
+    if args.setup_llama_cpp_python:
+        setup_llama_cpp_python()
+        return 0
+    if not (REF_BIN / "llama-server").exists():
+        sys.exit("build the reference tools first: ./benchmarks/build_reference.sh")
+    model = str(args.model or default_model_path())
+    with Runtime() as rt:
+        m = Model.load(rt, model)
+        prompts = [m.tokenize(p, add_special=True, parse_special=False) for p in load_prompts(args.prompts)]
+    s = Setup(model, prompts, args.max_tokens, args.threads, args.n_ctx, args.n_draft, args.ngram_n)
+    n_values = [int(x) for x in args.streams.split(",")]
+    specs = args.spec.split(",")
+
+    print(f"raw ceiling: llama-batched-bench at N = {n_values}", flush=True)
+    raw, raw_cmd = raw_ceiling(s, n_values)
+    commands = [raw_cmd]
+    rows: list[dict[str, Any]] = []
+    lcp: dict[str, BenchResult] = {}
+    for spec in specs:
+        if LCP_VENV.exists() and spec == "none":
+            print("llama-cpp-python: one request after another", flush=True)
+            lcp[spec], _, version = run_llama_cpp_python(s, spec, s.requests(1, args.requests))
+            commands.append(f"{version} (benchmarks/llama_cpp_python_worker.py), Llama.generate, temp 0")
+        for n in n_values:
+            requests = s.requests(n, args.requests)
+            print(f"{spec:>13} N={n:<3} llama-server ...", flush=True)
+            srv, srv_out, cmd = await run_server(s, n, spec, requests)
+            commands.append(cmd)
+            print(f"{spec:>13} N={n:<3} ours ...", flush=True)
+            ours, ours_out = await run_ours(s, n, spec, requests)
+            rows.append(
+                {
+                    "n": n,
+                    "spec": spec,
+                    "ours": ours,
+                    "server": srv,
+                    "lcp": lcp.get(spec),
+                    "raw": raw.get(n),
+                    "agreement": agreement(ours_out, srv_out),
+                }
+            )
+            print(
+                f"{spec:>13} N={n:<3} ours {ours.tokens_per_s:7.1f} tok/s, llama-server "
+                f"{srv.tokens_per_s:7.1f}, raw {raw.get(n, 0):7.1f}, same tokens {rows[-1]['agreement']:.0%}",
+                flush=True,
+            )
+    n1 = [r for r in rows if r["n"] == 1 and r["spec"] == "none"]
+    meta = {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": _machine(),
+        "model": model,
+        "threads": args.threads,
+        "requests": args.requests,
+        "max_tokens": args.max_tokens,
+        "prompts": args.prompts,
+        "agreement_n1": n1[0]["agreement"] if n1 else float("nan"),
+        "command": "python benchmarks/side_by_side.py " + shlex.join(sys.argv[1:]),
+        "commands": commands,
+    }
+    Path(args.out).write_text(report(rows, meta))
+    Path(args.json).write_text(
+        json.dumps(
+            {
+                **meta,
+                "rows": [
+                    {
+                        "n": r["n"],
+                        "spec": r["spec"],
+                        "agreement": r["agreement"],
+                        "raw_tokens_per_s": r["raw"],
+                        "ours": r["ours"].as_dict(),
+                        "llama_server": r["server"].as_dict(),
+                        "llama_cpp_python": r["lcp"].as_dict() if r["lcp"] else None,
+                    }
+                    for r in rows
+                ],
+            },
+            indent=2,
+        )
+    )
+    print(f"wrote {args.out} and {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))

@@ -1,0 +1,50 @@
+"""The chatbot's turn reuse: the next turn resumes the saved sequence and reads only the
+new tokens, and its reply is what reading the whole token sequence from scratch gives."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine import Engine, SamplingParams
+from engine.chat import ChatSession, Conversation
+from engine.session.checkpoint import unpack
+from tests.test_engine import config
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
+
+
+async def test_turns_resume_and_equal_a_cold_read(model_paths: dict[str, Path], tmp_path: Path) -> None:
+    async with Engine(config(model_paths, "walk-llama", None, "none", 2, n_ctx=512)) as engine:
+        chat = ChatSession(engine, GREEDY, system="Be brief.")
+        first = await chat.reply("hello there")
+        assert first.cached_tokens == 0 and first.completion_tokens == 10
+        ck = chat.conversation.checkpoint
+        assert ck is not None
+        meta = unpack(ck).meta
+        sequence = [*meta["history"], meta["last"]]  # what the next turn continues
+
+        pieces: list[str] = []
+        second = await chat.reply("and now?", pieces.append, measure_cold=True)
+        assert second.cached_tokens == len(meta["history"]) and second.cold_ttft is not None
+        assert 0 < second.prompt_tokens < 40  # only the new turn's tokens were read
+        assert "".join(pieces) == second.text == chat.conversation.messages[-1]["content"]
+        assert [m["role"] for m in chat.conversation.messages] == [
+            "system", "user", "assistant", "user", "assistant"
+        ]  # fmt: skip
+
+        # the same tokens read from scratch give the same greedy reply
+        meta2 = unpack(chat.conversation.checkpoint or b"").meta
+        # the sequence now holds: the first turn, the new tokens, the reply but its last token
+        read = meta2["history"][: len(meta2["history"]) - (second.completion_tokens - 1)]
+        assert read[: len(sequence)] == sequence and len(read) - len(sequence) == second.prompt_tokens
+        cold = await engine.generate(read, GREEDY)
+        assert cold.token_ids == [*meta2["history"][len(read) :], meta2["last"]]
+        assert cold.text == second.text
+
+        # save, load into a fresh session, continue
+        path = tmp_path / "c.json"
+        chat.conversation.save(path)
+        other = ChatSession(engine, GREEDY)
+        other.conversation = Conversation.load(path)
+        third = await other.reply("one more")
+        assert third.cached_tokens == len(meta2["history"])
