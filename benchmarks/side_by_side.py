@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import datetime
 import json
+import logging
 import os
 import shlex
 import signal
@@ -38,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import structlog
 
 from engine import EngineConfig, SpeculativeConfig
 from engine.bench import BenchResult, load_prompts, percentile, run_load
@@ -96,8 +98,10 @@ def server_command(s: Setup, n: int, spec: str, port: int) -> list[str]:
         "-m", s.model, "--host", "127.0.0.1", "--port", str(port),
         "-np", str(n), "-c", str(n * s.n_ctx), "-b", "512", "-ub", "512",
         "-t", str(s.threads), "-tb", str(s.threads),
-        # the KV layout our engine picks (one buffer up to 16 sequences), no prompt cache
-        "-kvu" if n <= 16 else "-no-kvu", "--cache-ram", "0", "--no-ui",
+        # the KV layout our engine picks (one buffer up to 16 sequences), no prompt cache;
+        # a full-size sliding-window cache as llama_context_default_params() has (the
+        # server's smaller one pads attention differently, which flips near-ties)
+        "-kvu" if n <= 16 else "-no-kvu", "--swa-full", "--cache-ram", "0", "--no-ui",
     ]  # fmt: skip
     if spec != "none":
         cmd += ["--spec-type", spec, "--spec-draft-n-max", str(s.n_draft)]
@@ -222,6 +226,14 @@ def setup_llama_cpp_python() -> None:
     )
 
 
+def llama_cpp_python_ready() -> bool:
+    python = LCP_VENV / "bin" / "python"
+    return (
+        python.exists()
+        and subprocess.run([str(python), "-c", "import llama_cpp"], capture_output=True).returncode == 0
+    )
+
+
 def run_llama_cpp_python(s: Setup, spec: str, requests: list[list[int]]) -> tuple[BenchResult, list, str]:
     job = {
         "model": s.model,
@@ -332,6 +344,7 @@ async def main() -> int:
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "side_by_side.json"))
     ap.add_argument("--setup-llama-cpp-python", action="store_true", help="create its venv, then exit")
     args = ap.parse_args()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     if args.setup_llama_cpp_python:
         setup_llama_cpp_python()
         return 0
@@ -350,8 +363,11 @@ async def main() -> int:
     commands = [raw_cmd]
     rows: list[dict[str, Any]] = []
     lcp: dict[str, BenchResult] = {}
+    with_lcp = llama_cpp_python_ready()
+    if not with_lcp:
+        print("no llama-cpp-python (run with --setup-llama-cpp-python first): its column stays empty")
     for spec in specs:
-        if LCP_VENV.exists() and spec == "none":
+        if with_lcp and spec == "none":
             print("llama-cpp-python: one request after another", flush=True)
             lcp[spec], _, version = run_llama_cpp_python(s, spec, s.requests(1, args.requests))
             commands.append(f"{version} (benchmarks/llama_cpp_python_worker.py), Llama.generate, temp 0")
