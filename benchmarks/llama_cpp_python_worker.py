@@ -20,6 +20,7 @@ def main() -> None:
         n_batch=512,
         n_threads=job["threads"],
         n_threads_batch=job["threads"],
+        flash_attn=True,  # its default is off; ours and llama-server resolve "auto" to on (CPU)
         verbose=False,
     )
     # warm-up, not measured

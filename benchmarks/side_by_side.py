@@ -154,7 +154,12 @@ async def run_server(s: Setup, n: int, spec: str, requests: list[list[int]]) -> 
     log = open(ROOT / "build" / "reference" / f"server-{spec}-{n}.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600) as client:
+        # a new connection per request: llama-server (cpp-httplib) closes kept-alive
+        # connections after a few requests, which a pooled client sees as a disconnect
+        limits = httpx.Limits(max_connections=n + 1, max_keepalive_connections=0)
+        async with httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{port}", timeout=600, limits=limits
+        ) as client:
             for _ in range(600):
                 try:
                     if (await client.get("/health")).status_code == 200:
@@ -305,9 +310,13 @@ def report(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines += [
         "",
         "Correctness cross-check: with speculation off and one stream, our greedy tokens and "
-        f"llama-server's agree on {meta['agreement_n1']:.0%} of requests (must be 100%). At higher N "
-        "the column above is the share of requests with identical tokens; llama.cpp is not "
-        "batch-invariant on quantized models, so different batch shapes may flip near-ties.",
+        f"llama-server's agree on {meta['agreement_n1']:.0%} of requests (must be 100%), ours and "
+        f"llama-cpp-python's on {meta['agreement_lcp']:.0%}. At higher N the column above is the share "
+        "of requests with identical tokens; llama.cpp is not batch-invariant on quantized models, so "
+        "different batch shapes may flip near-ties. llama-server runs with `--swa-full` and "
+        "llama-cpp-python with `flash_attn=True`: the attention layout our contexts get from "
+        "`llama_context_default_params()` (with the server's smaller sliding-window cache the "
+        "attention is padded differently and near-ties flip: 1 of 4 requests differed).",
         "",
         "## Commands",
         "",
@@ -364,12 +373,13 @@ async def main() -> int:
     rows: list[dict[str, Any]] = []
     lcp: dict[str, BenchResult] = {}
     with_lcp = llama_cpp_python_ready()
+    lcp_agreement, lcp_out = float("nan"), []
     if not with_lcp:
         print("no llama-cpp-python (run with --setup-llama-cpp-python first): its column stays empty")
     for spec in specs:
         if with_lcp and spec == "none":
             print("llama-cpp-python: one request after another", flush=True)
-            lcp[spec], _, version = run_llama_cpp_python(s, spec, s.requests(1, args.requests))
+            lcp[spec], lcp_out, version = run_llama_cpp_python(s, spec, s.requests(1, args.requests))
             commands.append(f"{version} (benchmarks/llama_cpp_python_worker.py), Llama.generate, temp 0")
         for n in n_values:
             requests = s.requests(n, args.requests)
@@ -378,6 +388,8 @@ async def main() -> int:
             commands.append(cmd)
             print(f"{spec:>13} N={n:<3} ours ...", flush=True)
             ours, ours_out = await run_ours(s, n, spec, requests)
+            if n == 1 and spec == "none" and with_lcp:
+                lcp_agreement = agreement(ours_out, lcp_out)
             rows.append(
                 {
                     "n": n,
@@ -404,6 +416,7 @@ async def main() -> int:
         "max_tokens": args.max_tokens,
         "prompts": args.prompts,
         "agreement_n1": n1[0]["agreement"] if n1 else float("nan"),
+        "agreement_lcp": lcp_agreement,
         "command": "python benchmarks/side_by_side.py " + shlex.join(sys.argv[1:]),
         "commands": commands,
     }
