@@ -275,22 +275,8 @@ def _ms(values: list[float], q: float) -> str:
     return f"{1000 * percentile(values, q):.0f}" if values else "-"
 
 
-def report(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+def _table(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
-        "# Benchmarks: side by side",
-        "",
-        f"Measured {meta['date']} on {meta['machine']['cpu']} ({meta['machine']['cores']} cores, "
-        f"{meta['machine']['system']}), model `{Path(meta['model']).name}`, {meta['threads']} threads, "
-        f"{meta['requests']} requests per N (at least N), {meta['max_tokens']} generated tokens each "
-        f"(end-of-generation ignored), greedy, `{meta['prompts']}` prompts sent as the same token ids "
-        "to everyone. One process at a time on the machine.",
-        "",
-        "Throughput is generated tokens per second over the whole run (all N streams together); "
-        "ratios are ours ÷ the reference (> 1: we are faster). The raw ceiling is "
-        "`llama-batched-bench`'s text-generation speed at batch N: one token per sequence per "
-        "decode, no sampling, no scheduling, no HTTP. llama-cpp-python answers the same requests "
-        "one after another (it serves one stream), so its figure is the same at every N.",
-        "",
         "| N | speculation | ours tok/s | llama-server tok/s | ours ÷ server | raw ceiling tok/s "
         "| ours ÷ raw | llama-cpp-python tok/s | ours ÷ l-c-p | TTFT p50 ms ours / server "
         "| ITL p50 ms ours / server | acceptance ours / server | same tokens as server |",
@@ -307,16 +293,53 @@ def report(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"{_ms(ours.ttft, 0.5)} / {_ms(srv.ttft, 0.5)} | {_ms(ours.itl, 0.5)} / {_ms(srv.itl, 0.5)} | "
             f"{ours.acceptance_rate:.0%} / {srv.acceptance_rate:.0%} | {r['agreement']:.0%} |"
         )
+    return lines
+
+
+PROMPT_SET_TITLES = {
+    "mixed": "Mixed prompts (`--prompts mixed`: questions, lists, code, stories)",
+    "copy": "Copy-heavy prompts (`--prompts copy`: answers that repeat the prompt, where n-gram drafting pays)",
+}
+
+
+def report(sections: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    lines = [
+        "# Benchmarks: side by side",
+        "",
+        f"Measured {meta['date']} on {meta['machine']['cpu']} ({meta['machine']['cores']} cores, "
+        f"{meta['machine']['system']}), model `{Path(meta['model']).name}`, {meta['threads']} threads, "
+        f"{meta['requests']} requests per N (at least N), {meta['max_tokens']} generated tokens each "
+        "(end-of-generation ignored), greedy, the same prompts sent as the same token ids to "
+        "everyone. One process at a time on the machine.",
+        "",
+        "Throughput is generated tokens per second over the whole run (all N streams together); "
+        "ratios are ours ÷ the reference (> 1: we are faster). The raw ceiling is "
+        "`llama-batched-bench`'s text-generation speed at batch N: one token per sequence per "
+        "decode, no sampling, no scheduling, no HTTP. llama-cpp-python answers the same requests "
+        "one after another (it serves one stream, without speculation here), so its figure is the "
+        "same at every N.",
+    ]
+    for sec in sections:
+        title = PROMPT_SET_TITLES.get(sec["prompts"], f"Prompts from `{sec['prompts']}`")
+        lines += [
+            "",
+            f"## {title}",
+            "",
+            *_table(sec["rows"]),
+            "",
+            "Correctness cross-check: with speculation off and one stream, our greedy tokens and "
+            f"llama-server's agree on {sec['agreement_n1']:.0%} of requests (must be 100%), ours and "
+            f"llama-cpp-python's on {sec['agreement_lcp']:.0%}.",
+        ]
     lines += [
         "",
-        "Correctness cross-check: with speculation off and one stream, our greedy tokens and "
-        f"llama-server's agree on {meta['agreement_n1']:.0%} of requests (must be 100%), ours and "
-        f"llama-cpp-python's on {meta['agreement_lcp']:.0%}. At higher N the column above is the share "
-        "of requests with identical tokens; llama.cpp is not batch-invariant on quantized models, so "
-        "different batch shapes may flip near-ties. llama-server runs with `--swa-full` and "
-        "llama-cpp-python with `flash_attn=True`: the attention layout our contexts get from "
-        "`llama_context_default_params()` (with the server's smaller sliding-window cache the "
-        "attention is padded differently and near-ties flip: 1 of 4 requests differed).",
+        "At higher N the last column is the share of requests with identical tokens; llama.cpp is "
+        "not batch-invariant on quantized models, so different batch shapes may flip near-ties. "
+        "llama-server runs with `--swa-full` and llama-cpp-python with `flash_attn=True`: the "
+        "attention layout our contexts get from `llama_context_default_params()` (with the "
+        "server's smaller sliding-window cache the attention is padded differently and near-ties "
+        "flip: 1 of the first 4 requests differed). Our adaptive draft-length policy is on; "
+        "llama-server drafts up to `--spec-draft-n-max` every step.",
         "",
         "## Commands",
         "",
@@ -330,43 +353,14 @@ def report(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "",
         "Ours: `engine.bench.run_load` (what `python -m engine bench` runs) with "
         "`EngineConfig(n_seq=N, n_ctx=...)` and the same speculative settings "
-        "(`SpeculativeConfig(type, n_draft_max, ngram_size_n, ngram_size_m)`); our adaptive "
-        "draft-length policy is on, llama-server drafts `--spec-draft-n-max` every step.",
+        "(`SpeculativeConfig(type, n_draft_max, ngram_size_n, ngram_size_m)`).",
         "",
     ]
     return "\n".join(lines)
 
 
-async def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", help="GGUF (default: Gemma 3 270M from the demo extra)")
-    ap.add_argument("--streams", default="1,4,16,64")
-    ap.add_argument("--spec", default="none,ngram-simple")
-    ap.add_argument("--requests", type=int, default=16, help="requests per N (at least N)")
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--prompts", default="mixed", help="mixed, copy, or a file (as python -m engine bench)")
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--n-ctx", type=int, default=1024, help="context per sequence")
-    ap.add_argument("--n-draft", type=int, default=6)
-    ap.add_argument("--ngram-n", type=int, default=3)
-    ap.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
-    ap.add_argument("--json", default=str(ROOT / "benchmarks" / "side_by_side.json"))
-    ap.add_argument("--setup-llama-cpp-python", action="store_true", help="create its venv, then exit")
-    args = ap.parse_args()
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    if args.setup_llama_cpp_python:
-        setup_llama_cpp_python()
-        return 0
-    if not (REF_BIN / "llama-server").exists():
-        sys.exit("build the reference tools first: ./benchmarks/build_reference.sh")
-    model = str(args.model or default_model_path())
-    with Runtime() as rt:
-        m = Model.load(rt, model)
-        prompts = [m.tokenize(p, add_special=True, parse_special=False) for p in load_prompts(args.prompts)]
-    s = Setup(model, prompts, args.max_tokens, args.threads, args.n_ctx, args.n_draft, args.ngram_n)
-    n_values = [int(x) for x in args.streams.split(",")]
-    specs = args.spec.split(",")
-
+async def measure(s: Setup, n_values: list[int], specs: list[str], per_n: int) -> dict[str, Any]:
+    """One prompt set: the raw ceiling, then per speculative type and N the server and ours."""
     print(f"raw ceiling: llama-batched-bench at N = {n_values}", flush=True)
     raw, raw_cmd = raw_ceiling(s, n_values)
     commands = [raw_cmd]
@@ -379,10 +373,10 @@ async def main() -> int:
     for spec in specs:
         if with_lcp and spec == "none":
             print("llama-cpp-python: one request after another", flush=True)
-            lcp[spec], lcp_out, version = run_llama_cpp_python(s, spec, s.requests(1, args.requests))
+            lcp[spec], lcp_out, version = run_llama_cpp_python(s, spec, s.requests(1, per_n))
             commands.append(f"{version} (benchmarks/llama_cpp_python_worker.py), Llama.generate, temp 0")
         for n in n_values:
-            requests = s.requests(n, args.requests)
+            requests = s.requests(n, per_n)
             print(f"{spec:>13} N={n:<3} llama-server ...", flush=True)
             srv, srv_out, cmd = await run_server(s, n, spec, requests)
             commands.append(cmd)
@@ -407,6 +401,51 @@ async def main() -> int:
                 flush=True,
             )
     n1 = [r for r in rows if r["n"] == 1 and r["spec"] == "none"]
+    return {
+        "rows": rows,
+        "commands": commands,
+        "agreement_n1": n1[0]["agreement"] if n1 else float("nan"),
+        "agreement_lcp": lcp_agreement,
+    }
+
+
+async def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="GGUF (default: Gemma 3 270M from the demo extra)")
+    ap.add_argument("--streams", default="1,4,16,64")
+    ap.add_argument("--spec", default="none,ngram-simple")
+    ap.add_argument("--requests", type=int, default=16, help="requests per N (at least N)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument(
+        "--prompts",
+        default="mixed,copy",
+        help="comma-separated prompt sets or files (as python -m engine bench)",
+    )
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--n-ctx", type=int, default=1024, help="context per sequence")
+    ap.add_argument("--n-draft", type=int, default=6)
+    ap.add_argument("--ngram-n", type=int, default=3)
+    ap.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
+    ap.add_argument("--json", default=str(ROOT / "benchmarks" / "side_by_side.json"))
+    ap.add_argument("--setup-llama-cpp-python", action="store_true", help="create its venv, then exit")
+    args = ap.parse_args()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    if args.setup_llama_cpp_python:
+        setup_llama_cpp_python()
+        return 0
+    if not (REF_BIN / "llama-server").exists():
+        sys.exit("build the reference tools first: ./benchmarks/build_reference.sh")
+    model = str(args.model or default_model_path())
+    n_values = [int(x) for x in args.streams.split(",")]
+    specs = args.spec.split(",")
+    sections = []
+    for prompt_set in args.prompts.split(","):
+        with Runtime() as rt:
+            m = Model.load(rt, model)
+            prompts = [m.tokenize(p, add_special=True) for p in load_prompts(prompt_set)]
+        s = Setup(model, prompts, args.max_tokens, args.threads, args.n_ctx, args.n_draft, args.ngram_n)
+        print(f"--- {prompt_set} prompts", flush=True)
+        sections.append({"prompts": prompt_set, **await measure(s, n_values, specs, args.requests)})
     meta = {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": _machine(),
@@ -414,28 +453,33 @@ async def main() -> int:
         "threads": args.threads,
         "requests": args.requests,
         "max_tokens": args.max_tokens,
-        "prompts": args.prompts,
-        "agreement_n1": n1[0]["agreement"] if n1 else float("nan"),
-        "agreement_lcp": lcp_agreement,
         "command": "python benchmarks/side_by_side.py " + shlex.join(sys.argv[1:]),
-        "commands": commands,
+        "commands": [c for sec in sections for c in sec["commands"]],
     }
-    Path(args.out).write_text(report(rows, meta))
+    Path(args.out).write_text(report(sections, meta))
     Path(args.json).write_text(
         json.dumps(
             {
                 **meta,
-                "rows": [
+                "sections": [
                     {
-                        "n": r["n"],
-                        "spec": r["spec"],
-                        "agreement": r["agreement"],
-                        "raw_tokens_per_s": r["raw"],
-                        "ours": r["ours"].as_dict(),
-                        "llama_server": r["server"].as_dict(),
-                        "llama_cpp_python": r["lcp"].as_dict() if r["lcp"] else None,
+                        "prompts": sec["prompts"],
+                        "agreement_n1": sec["agreement_n1"],
+                        "agreement_llama_cpp_python": sec["agreement_lcp"],
+                        "rows": [
+                            {
+                                "n": r["n"],
+                                "spec": r["spec"],
+                                "agreement": r["agreement"],
+                                "raw_tokens_per_s": r["raw"],
+                                "ours": r["ours"].as_dict(),
+                                "llama_server": r["server"].as_dict(),
+                                "llama_cpp_python": r["lcp"].as_dict() if r["lcp"] else None,
+                            }
+                            for r in sec["rows"]
+                        ],
                     }
-                    for r in rows
+                    for sec in sections
                 ],
             },
             indent=2,
