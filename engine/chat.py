@@ -112,12 +112,17 @@ class ChatSession:
     def reset(self) -> None:
         self.conversation = Conversation(self._start())
 
-    async def _continuation(self, user: Message) -> list[int] | None:
+    async def _continuation(self, user: Message) -> tuple[list[int], int] | None:
         """The tokens that extend the saved sequence by the end of the assistant's turn and
-        the user's message, or None when the template does not allow that (then the whole
-        conversation is read again)."""
+        the user's message, and how many tokens the sequence holds; None when the template
+        or the saved state does not allow that (then the whole conversation is read again)."""
         conv = self.conversation
         if conv.checkpoint is None or not conv.messages or conv.messages[-1]["role"] != "assistant":
+            return None
+        try:
+            meta = unpack(conv.checkpoint).meta
+            last, n_cached = int(meta["last"]), len(meta["history"])
+        except (StateError, KeyError, TypeError, ValueError):
             return None
         model = self.engine.model
         prev = conv.messages
@@ -131,13 +136,13 @@ class ChatSession:
         closing = marked[marked.index(_REPLY) + len(_REPLY) :]
         # the sequence ends with the last sampled token: an end-of-turn token closes the
         # turn itself (a reply cut by max_tokens needs the whole closing)
-        last = int(unpack(conv.checkpoint).meta["last"])
         if model.is_eog(last):
             piece = model.token_to_piece(last, special=True).decode("utf-8", "replace")
             if not closing.startswith(piece):
                 return None
             closing = closing[len(piece) :]
-        return await model.atokenize(closing + full[len(base) :], add_special=False, parse_special=True)
+        tokens = await model.atokenize(closing + full[len(base) :], add_special=False, parse_special=True)
+        return tokens, n_cached
 
     async def _stream(
         self, prompt: Any, resume: bytes | None, on_text: Callable[[str], None] | None
@@ -155,16 +160,13 @@ class ChatSession:
     ) -> TurnResult:
         """Answer one user message, streaming the reply's text to ``on_text``."""
         user = {"role": "user", "content": text}
-        tokens = await self._continuation(user)
+        continuation = await self._continuation(user)
         conv = self.conversation
-        cached = 0
         prompt: Any
-        if tokens is not None:
-            assert conv.checkpoint is not None
-            prompt, resume = tokens, conv.checkpoint
-            cached = len(unpack(resume).meta["history"])
+        if continuation is not None:
+            (prompt, cached), resume = continuation, conv.checkpoint
         else:
-            prompt, resume = [*conv.messages, user], None
+            prompt, cached, resume = [*conv.messages, user], 0, None
         try:
             final = await self._stream(prompt, resume, on_text)
         except StateError:

@@ -48,3 +48,24 @@ async def test_turns_resume_and_equal_a_cold_read(model_paths: dict[str, Path], 
         other.conversation = Conversation.load(path)
         third = await other.reply("one more")
         assert third.cached_tokens == len(meta2["history"])
+
+        # a damaged saved state is not fatal: the conversation is read again
+        other.conversation.checkpoint = b"ENGCKPT1 but not really"
+        fourth = await other.reply("still there?")
+        assert fourth.cached_tokens == 0 and fourth.completion_tokens == 10
+        assert other.conversation.checkpoint is not None and other.conversation.checkpoint.startswith(
+            b"ENGCKPT1"
+        )
+
+
+async def test_a_state_from_another_configuration_is_read_again(model_paths: dict[str, Path]) -> None:
+    async with Engine(config(model_paths, "walk-llama", None, "none", 2, n_ctx=512)) as engine:
+        chat = ChatSession(engine, GREEDY)
+        await chat.reply("hello there")
+        saved = chat.conversation
+    async with Engine(config(model_paths, "walk-llama", None, "none", 2, n_ctx=384)) as other:
+        chat = ChatSession(other, GREEDY)
+        chat.conversation = saved
+        again = await chat.reply("and now?")  # the state does not fit: StateError, then a cold read
+        assert again.cached_tokens == 0 and again.completion_tokens == 10
+        assert [m["role"] for m in chat.conversation.messages] == ["user", "assistant", "user", "assistant"]
