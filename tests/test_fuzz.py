@@ -271,9 +271,12 @@ async def test_cancellation_storm(model_paths: dict[str, Path], models: ModelCac
             await asyncio.sleep(0.01)
         assert engine.slots_in_use() == 0
         assert await engine.kv_positions() == [-1] * 8
-        # native buffers grow to the batch shapes seen (most in the first round, a step or two
-        # later: 919, 919, 953, 954 MiB measured); a leak of 45 KiB per request would show
-        assert rss[-1] - rss[1] < 64, rss
+        # Native buffers grow, in steps, to the largest batch shapes seen: most in the first
+        # round, a step or two later (measured: 361, 919, 919, 953, 954 MiB alone; 899, 1291,
+        # 1366, 1408, 1411 inside the whole suite). A leak grows every round: 32 KiB per
+        # request would add 16 MiB to each of the last three rounds.
+        growth = [after - before for before, after in zip(rss[1:], rss[2:], strict=False)]
+        assert min(growth) < 16, rss
         print(
             f"cancellation storm: RSS (MiB) at start and after each 500 requests: {[round(r) for r in rss]}"
         )
