@@ -42,8 +42,7 @@ import httpx
 import structlog
 
 from engine import EngineConfig, SpeculativeConfig
-from engine.bench import BenchResult, load_prompts, percentile, run_load
-from engine.cli import _machine
+from engine.bench import BenchResult, load_prompts, machine_info, percentile, run_load
 from engine.scheduler.params import default_model_path
 from engine.session import Model, Runtime
 
@@ -456,7 +455,7 @@ async def main() -> int:
         sections.append({"prompts": prompt_set, **await measure(s, n_values, specs, args.requests)})
     meta = {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": _machine(),
+        "machine": machine_info(),
         "model": model,
         "threads": args.threads,
         "requests": args.requests,

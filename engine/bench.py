@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import platform
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +27,7 @@ __all__ = [
     "PROMPT_SETS",
     "BenchResult",
     "load_prompts",
+    "machine_info",
     "plot",
     "measure_raw",
     "percentile",
@@ -319,6 +322,24 @@ def plot(results: list[BenchResult], path: str | Path, title: str = "") -> None:
         fig.suptitle(title)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def machine_info() -> dict[str, Any]:
+    """What the figures were measured on: CPU model, cores, OS, Python."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "system": platform.platform(),
+        "python": platform.python_version(),
+    }
 
 
 def measure_raw(model_path: str, n_values: list[int], threads: int | None) -> dict[int, float]:

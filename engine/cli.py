@@ -7,17 +7,23 @@ import asyncio
 import datetime
 import json
 import logging
-import os
-import platform
 import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import structlog
 
-from .bench import PROMPT_SETS, BenchResult, load_prompts, measure_raw, plot, run_load, summarize
+from .bench import (
+    PROMPT_SETS,
+    BenchResult,
+    load_prompts,
+    machine_info,
+    measure_raw,
+    plot,
+    run_load,
+    summarize,
+)
 from .chat import chat_loop
 from .scheduler import Engine, EngineConfig, SamplingParams
 from .scheduler.params import default_model_path
@@ -88,23 +94,6 @@ async def _chat(args: argparse.Namespace) -> int:
         return await chat_loop(engine, _sampling(args), system=args.system, measure_cold=not args.no_cold)
 
 
-def _machine() -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "system": platform.platform(),
-        "python": platform.python_version(),
-    }
-
-
 def _progress(total: int | None, desc: str) -> tuple[Callable[[int], None] | None, Callable[[], None]]:
     """A progress bar on stderr: (called per finished request, close)."""
     try:
@@ -153,7 +142,7 @@ async def _bench(args: argparse.Namespace) -> int:
     report = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "model": model,
-        "machine": _machine(),
+        "machine": machine_info(),
         "command": "python -m engine " + shlex.join(args.argv),
         "settings": {
             "streams": n_values,
