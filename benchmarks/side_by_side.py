@@ -185,18 +185,13 @@ async def run_server(s: Setup, n: int, spec: str, requests: list[list[int]]) -> 
                 for i in queue:
                     r = await _server_request(client, requests[i], s.max_tokens)
                     outputs[i] = r["tokens"]
-                    result.ttft.append(r["ttft"])
-                    result.itl += r["itl"]
-                    result.e2e.append(r["e2e"])
-                    result.tokens += len(r["tokens"])
-                    result.requests += 1
+                    result.record(len(r["tokens"]), r["ttft"], r["itl"], r["e2e"])
                     result.drafted += int(r["timings"].get("draft_n", 0))
                     result.accepted += int(r["timings"].get("draft_n_accepted", 0))
 
             start = time.perf_counter()
             await asyncio.gather(*(worker() for _ in range(n)))
             result.seconds = time.perf_counter() - start
-            result.decode_steps = result.tokens - result.accepted
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -258,13 +253,9 @@ def run_llama_cpp_python(s: Setup, spec: str, requests: list[list[int]]) -> tupl
     cmd = [str(LCP_VENV / "bin" / "python"), str(worker)]
     done = subprocess.run(cmd, input=json.dumps(job), capture_output=True, text=True, check=True)
     data = json.loads(done.stdout)
-    result = BenchResult(1, spec, len(requests), 0, float(data["seconds"]))
+    result = BenchResult(1, spec, 0, 0, float(data["seconds"]))
     for r in data["requests"]:
-        result.tokens += len(r["tokens"])
-        result.ttft.append(r["ttft"])
-        result.itl += r["itl"]
-        result.e2e.append(r["e2e"])
-    result.decode_steps = result.tokens
+        result.record(len(r["tokens"]), r["ttft"], r["itl"], r["e2e"])
     return result, [r["tokens"] for r in data["requests"]], f"llama-cpp-python {data['version']}"
 
 

@@ -118,7 +118,6 @@ class BenchResult:
     e2e: list[float] = field(default_factory=list)
     drafted: int = 0
     accepted: int = 0
-    decode_steps: int = 0
     occupancy: float = 0.0
     raw_tokens_per_s: float | None = None
 
@@ -135,8 +134,22 @@ class BenchResult:
         return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
+    def decode_steps(self) -> int:
+        """Verifications that produced tokens: each emits 1 + its accepted drafts."""
+        return self.tokens - self.accepted
+
+    @property
     def mean_acceptance_length(self) -> float:
         return 1 + self.accepted / self.decode_steps if self.decode_steps else 0.0
+
+    def record(self, tokens: int, ttft: float | None, itl: list[float], e2e: float) -> None:
+        """One finished request."""
+        self.requests += 1
+        self.tokens += tokens
+        if ttft is not None:
+            self.ttft.append(ttft)
+        self.itl += itl
+        self.e2e.append(e2e)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -225,22 +238,21 @@ async def run_load(
                 if time.perf_counter() >= deadline:
                     return
                 t0 = time.perf_counter()
-                last = None
+                first = last = None
                 ids: list[int] = []
+                itl: list[float] = []
                 async for delta in engine.stream(
                     prompts[i % len(prompts)], SamplingParams(max_tokens=max_tokens, ignore_eos=True)
                 ):
                     now = time.perf_counter()
                     if delta.token_ids:
                         if last is None:
-                            result.ttft.append(now - t0)
+                            first = now - t0
                         else:
-                            result.itl.append((now - last) / len(delta.token_ids))
+                            itl.append((now - last) / len(delta.token_ids))
                         last = now
                         ids += delta.token_ids
-                result.e2e.append(time.perf_counter() - t0)
-                result.tokens += len(ids)
-                result.requests += 1
+                result.record(len(ids), first, itl, time.perf_counter() - t0)
                 if outputs is not None:
                     outputs[i] = ids
                 if progress is not None:
@@ -252,8 +264,6 @@ async def run_load(
         result.accepted = m.accepted - accepted0
         steps = m.steps - steps0
         result.occupancy = (m.occupancy_sum - occ0) / steps if steps else 0.0
-        # each verification of a sequence emits 1 + its accepted drafts
-        result.decode_steps = result.tokens - result.accepted
     return result
 
 

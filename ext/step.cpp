@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <limits>
+#include <optional>
 
 namespace engine {
 
@@ -279,9 +280,9 @@ StepResult StepRunner::run_unchecked(const StepPlan & plan) {
         }
     };
     std::vector<std::pair<int32_t, int32_t>> prompts_done;  // (seq, n_past) of finished prefills
-    // decode one batch and verify each of its sequences; false (nothing verified) on failure
-    auto decode_and_verify = [&](const BatchData & batch, const std::vector<Span> & spans,
-                                 Error & why) -> bool {
+    // decode one batch and verify each of its sequences; the error when the decode failed
+    // (then nothing was verified)
+    auto decode_and_verify = [&](const BatchData & batch, const std::vector<Span> & spans) -> std::optional<Error> {
         const int64_t t0 = now_us();
         ++result.n_decode_calls;
         try {
@@ -290,8 +291,7 @@ StepResult StepRunner::run_unchecked(const StepPlan & plan) {
         } catch (const std::exception & e) {
             result.t_decode_us += now_us() - t0;
             const auto * err = dynamic_cast<const Error *>(&e);
-            why = err ? *err : Error(ErrorKind::Decode, e.what());
-            return false;
+            return err ? *err : Error(ErrorKind::Decode, e.what());
         }
         result.t_decode_us += now_us() - t0;
         result.n_batch_tokens += static_cast<int32_t>(batch.size());
@@ -324,7 +324,7 @@ StepResult StepRunner::run_unchecked(const StepPlan & plan) {
             result.outputs.push_back(std::move(out));
         }
         result.t_verify_us += now_us() - t1;
-        return true;
+        return std::nullopt;
     };
     auto fail_span = [&](const Span & sp, const Error & why) {
         if (s.pending(sp.w->seq)) s.accept(sp.w->seq, 0);
@@ -340,10 +340,10 @@ StepResult StepRunner::run_unchecked(const StepPlan & plan) {
             if (!spans.empty() && batch.size() + n > n_batch) break;
             append(batch, spans, work[next++]);
         }
-        Error why(ErrorKind::Decode, "");
-        if (decode_and_verify(batch, spans, why)) continue;
+        const std::optional<Error> failed_batch = decode_and_verify(batch, spans);
+        if (!failed_batch) continue;
         if (spans.size() == 1) {
-            fail_span(spans[0], why);
+            fail_span(spans[0], *failed_batch);
             continue;
         }
         // one sequence's tokens can fail the whole batch (llama.cpp rejects the batch, or
@@ -358,8 +358,7 @@ StepResult StepRunner::run_unchecked(const StepPlan & plan) {
             BatchData alone;
             std::vector<Span> one;
             append(alone, one, sp.w);
-            Error why_alone(ErrorKind::Decode, "");
-            if (!decode_and_verify(alone, one, why_alone)) fail_span(one[0], why_alone);
+            if (const std::optional<Error> failed = decode_and_verify(alone, one)) fail_span(one[0], *failed);
         }
     }
     // a prompt is complete: start the drafter's generation (every proposal is settled now)

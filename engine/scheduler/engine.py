@@ -65,7 +65,7 @@ class EngineMetrics:
     steps: int = 0
     decode_calls: int = 0
     draft_calls: int = 0
-    max_decode_calls_per_step: int = 0  #: 1 unless a step's batch exceeded n_batch
+    max_decode_calls_per_step: int = 0  #: 1 unless a batch exceeded n_batch or failed
     max_draft_calls_per_step: int = 0  #: always <= 1: one draft call for every sequence
     batch_tokens: int = 0
     isolated_failures: int = 0  #: batches that failed and were decoded one sequence at a time
@@ -444,7 +444,7 @@ class Engine:
             log.warning("engine.draft_failed", error=result.draft_error)
         if result.n_isolated_failures:
             m.isolated_failures += result.n_isolated_failures
-            log.warning("engine.batch_failed", retried_alone=len(plan.work), failed=len(result.errors))
+            log.warning("engine.batch_failed", batches=result.n_isolated_failures, failed=len(result.errors))
         m.occupancy_sum += len({w.request.slot for w in plan.work}) / self.config.n_seq
         m.last_step = {
             "decode_calls": result.n_decode_calls,
@@ -577,8 +577,9 @@ class Engine:
         for f in waiters:
             if not f.done():
                 f.set_exception(UnknownRequestError(f"request {r.request_id!r} ended before its checkpoint"))
-        text = r.assembler.take(final=True)
-        r.push(Delta(text, list(new_ids or []), reason, r.output()))
+        text = r.assembler.take(final=True)  # also completes r.assembler.text
+        if r.stream is not None:
+            r.push(Delta(text, list(new_ids or []), reason, r.output()))
         if r.stream is not None:
             r.stream.put_nowait(None)
         self._requests.pop(r.request_id, None)
