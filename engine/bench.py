@@ -8,7 +8,6 @@ compared with (their ratio is the engine's overhead).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import platform
@@ -17,6 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import anyio
 
 from .scheduler import Engine, EngineConfig, SamplingParams
 from .session import Batch, Context, ContextConfig, Model, Runtime
@@ -258,7 +259,9 @@ async def run_load(
                 if progress is not None:
                     progress(len(ids))
 
-        await asyncio.gather(*(client() for _ in range(n_streams)))
+        async with anyio.create_task_group() as clients:
+            for _ in range(n_streams):
+                clients.start_soon(client)
         result.seconds = time.perf_counter() - start
         result.drafted = m.drafted - drafted0
         result.accepted = m.accepted - accepted0

@@ -10,7 +10,6 @@ one started with the same models and options.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import sys
@@ -19,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
+
+import anyio
 
 from .scheduler import Engine, RequestOutput, SamplingParams
 from .session import SessionError, StateError
@@ -220,7 +221,7 @@ async def chat_loop(
     while True:
         if interactive:
             write("\n> ")
-        line = await asyncio.to_thread(stdin.readline)
+        line = await anyio.to_thread.run_sync(stdin.readline)
         if not line:
             break
         line = line.strip()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime
 import json
 import logging
@@ -12,7 +11,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import structlog
+import anyio
 
 from .bench import (
     PROMPT_SETS,
@@ -31,10 +30,7 @@ from .session import SessionError, SpeculativeConfig
 
 __all__ = ["main"]
 
-SPEC_TYPES = (
-    "none, ngram-simple, ngram-map-k, ngram-map-k4v, ngram-mod, ngram-cache (no draft model); "
-    "draft, eagle3, dflash, dspark (need --draft); mtp (models with NextN layers)"
-)
+SPEC_TYPES = SpeculativeConfig.describe_types()
 
 
 def _engine_config(args: argparse.Namespace, speculative: str, n_seq: int) -> EngineConfig:
@@ -117,7 +113,7 @@ async def _bench(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print(f"model: {model}\nraw batched decode (llama.cpp, no scheduling) at N = {n_values} ...", flush=True)
-    raw = await asyncio.to_thread(measure_raw, model, n_values, args.threads)
+    raw = await anyio.to_thread.run_sync(measure_raw, model, n_values, args.threads)
     results: list[BenchResult] = []
     for spec in specs:
         for n in n_values:
@@ -177,6 +173,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Speculative decoding on llama.cpp for many concurrent streams. "
         "Without --model, every command uses Gemma 3 270M (pip install 'llama-spec-engine[demo]').",
     )
+    ap.add_argument("-v", "--verbose", action="store_true", help="log the engine's events (stderr)")
     sub = ap.add_subparsers(dest="command", required=True, metavar="{run,chat,bench}")
 
     run = sub.add_parser(
@@ -233,11 +230,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = _parser().parse_args(argv)
     args.argv = argv
-    if not logging.getLogger().handlers:
-        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    # the command line is an application: its logs go to stderr, stdout is the output
+    logging.basicConfig(stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("engine").setLevel(logging.INFO if args.verbose else logging.WARNING)
     command = {"run": _run, "chat": _chat, "bench": _bench}[args.command]
     try:
-        return asyncio.run(command(args))
+        return anyio.run(command, args)
     except (SessionError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -2,18 +2,11 @@
 
 #include "errors.h"
 
-#include <chrono>
 #include <sys/eventfd.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 namespace engine {
-
-static int64_t now_ns() {
-    return std::chrono::duration_cast<std::chrono::nanoseconds>(
-               std::chrono::steady_clock::now().time_since_epoch())
-        .count();
-}
 
 void Ticket::wait() {
     std::unique_lock<std::mutex> lock(mutex);
@@ -76,14 +69,12 @@ void Executor::run() {
 std::shared_ptr<Ticket> Executor::submit(std::function<std::any()> job, bool notify) {
     auto ticket = std::make_shared<Ticket>();
     ticket->notify = notify;
-    ticket->t_submit_ns = now_ns();
     std::lock_guard<std::mutex> lock(mutex_);
     if (closed_) {
         fail(ErrorKind::Closed, "the runtime is closed");
     }
     ticket->id = next_ticket_++;
     queue_.emplace_back([this, ticket, job = std::move(job)] {
-        ticket->t_start_ns = now_ns();
         std::any value;
         std::exception_ptr error;
         try {
@@ -95,7 +86,6 @@ std::shared_ptr<Ticket> Executor::submit(std::function<std::any()> job, bool not
             std::lock_guard<std::mutex> tl(ticket->mutex);
             ticket->value = std::move(value);
             ticket->error = error;
-            ticket->t_end_ns = now_ns();
             ticket->done = true;
         }
         ticket->cv.notify_all();

@@ -32,7 +32,6 @@ struct Ticket {
     bool done = false;
     std::exception_ptr error;
     std::any value;                 // the job's result; converted to Python on a Python thread
-    int64_t t_submit_ns = 0, t_start_ns = 0, t_end_ns = 0;
 
     void wait();
     bool is_done();
@@ -64,8 +63,6 @@ public:
     // --- object table: native thread only -------------------------------------------
     uint64_t adopt(std::shared_ptr<void> object);
     void erase(uint64_t id);
-    bool has(uint64_t id) const { return objects_.count(id) != 0; }
-    bool on_native_thread() const { return std::this_thread::get_id() == thread_.get_id(); }
 
 private:
     void run();

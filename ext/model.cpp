@@ -1,5 +1,7 @@
 #include "model.h"
 
+#include "llama-context.h"  // (src/) the context's parameters, for hidden_states()
+
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -253,6 +255,7 @@ Context::Context(std::shared_ptr<Model> model, const ContextParams & params, std
     if (params_.n_outputs_max_per_seq == 0) {
         params_.n_outputs_max_per_seq = params_.n_outputs_max;
     }
+    created_hidden_ = hidden_states();
 }
 
 Context::~Context() {
@@ -346,8 +349,14 @@ int32_t Context::decode(const BatchData & batch) {
     return n_outputs_;
 }
 
-int32_t Context::n_embd_out() const {
-    return llama_model_n_embd_out(model_->get());
+Context::HiddenStates Context::hidden_states() const {
+    // llama.cpp has setters for these flags but no getters: read its context parameters
+    const llama_cparams & cp = ctx_->get_cparams();
+    HiddenStates h;
+    h.post_norm = cp.embeddings;
+    h.pre_norm = cp.embeddings_nextn ||
+                 std::any_of(cp.embeddings_layer_inp.begin(), cp.embeddings_layer_inp.end(), [](bool b) { return b; });
+    return h;
 }
 
 bool Context::kv_remove(int64_t seq_id, int64_t p0, int64_t p1) {
@@ -370,17 +379,6 @@ int64_t Context::seq_pos_min(int32_t seq_id) const {
 int64_t Context::seq_pos_max(int32_t seq_id) const {
     check_seq(seq_id);
     return llama_memory_seq_pos_max(llama_get_memory(ctx_), seq_id);
-}
-
-int32_t Context::can_seq_rm() const {
-    // What common_context_can_seq_rm() finds out by decoding probe tokens (which would wipe
-    // the KV cache): plain attention removes any range; recurrent and hybrid memories only
-    // within their n_rs_seq snapshots, or whole sequences when they keep none.
-    const ModelInfo & in = model_->info();
-    if (!in.is_recurrent && !in.is_hybrid) {
-        return COMMON_CONTEXT_SEQ_RM_TYPE_PART;
-    }
-    return params_.n_rs_seq > 0 ? COMMON_CONTEXT_SEQ_RM_TYPE_RS : COMMON_CONTEXT_SEQ_RM_TYPE_FULL;
 }
 
 size_t Context::state_seq_size(int32_t seq_id, uint32_t flags) {

@@ -126,12 +126,19 @@ public:
     const float * logits() const { return logits_; }
     const float * embeddings() const { return embeddings_; }
     int32_t n_outputs() const { return n_outputs_; }
-    int32_t n_embd_out() const;
+
+    // Which hidden states the context extracts besides logits: post-norm embeddings
+    // (llama_set_embeddings) and pre-norm ones (layer inputs, the NextN hidden state).
+    struct HiddenStates {
+        bool post_norm = false;
+        bool pre_norm = false;
+    };
+    HiddenStates hidden_states() const;
+    const HiddenStates & hidden_states_at_creation() const { return created_hidden_; }
 
     bool kv_remove(int64_t seq_id, int64_t p0, int64_t p1);
     int64_t seq_pos_min(int32_t seq_id) const;
     int64_t seq_pos_max(int32_t seq_id) const;
-    int32_t can_seq_rm() const;  // a common_context_seq_rm_type
 
     size_t state_seq_size(int32_t seq_id, uint32_t flags);
     std::vector<uint8_t> state_seq_get(int32_t seq_id, uint32_t flags);
@@ -151,6 +158,7 @@ private:
     std::shared_ptr<Context> other_;
     llama_context * ctx_ = nullptr;
     ContextParams params_;
+    HiddenStates created_hidden_;
     const float * logits_ = nullptr;
     const float * embeddings_ = nullptr;
     int32_t n_outputs_ = 0;

@@ -1,8 +1,9 @@
-// engine._nb_spec: bindings only. The logic lives in executor.cpp, model.cpp and
-// spec_session.cpp; here every native operation is wrapped into a job for the runtime's
-// native thread, and results and errors are converted on the calling Python thread.
+// engine._nb_spec: bindings only. The logic lives in executor.cpp, model.cpp, sampler.cpp,
+// spec_session.cpp and step.cpp; here every native operation becomes a job for the
+// runtime's native thread, and results and errors are converted on the calling thread.
 #include "executor.h"
 #include "model.h"
+#include "sampler.h"
 #include "spec_session.h"
 #include "step.h"
 
@@ -21,6 +22,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <sys/syscall.h>
+#include <type_traits>
 #include <unistd.h>
 
 namespace nb = nanobind;
@@ -32,7 +34,7 @@ namespace {
 // ---------------------------------------------------------------------------------------
 // llama.cpp log routing: by default only errors reach stderr (ENGINE_LLAMA_LOG=
 // debug|info|warn|error|none changes that). The callback runs on the native thread and
-// never touches Python.
+// never touches Python; nothing of llama.cpp's reaches stdout.
 
 std::atomic<int> g_log_level{GGML_LOG_LEVEL_ERROR};
 
@@ -60,16 +62,17 @@ void init_logging() {
 // ---------------------------------------------------------------------------------------
 // Jobs
 
+// Run `f` on the native thread and wait for it with the GIL released.
 template <class F>
-auto run_sync(Executor & ex, F && f) -> decltype(f()) {
-    using R = decltype(f());
+auto run_sync(Executor & ex, F && f) -> std::decay_t<decltype(f())> {
+    using R = std::decay_t<decltype(f())>;
     std::shared_ptr<Ticket> t = ex.submit(
         [f = std::forward<F>(f)]() mutable -> std::any {
             if constexpr (std::is_void_v<R>) {
                 f();
                 return {};
             } else {
-                return std::any(f());
+                return std::any(R(f()));
             }
         },
         /*notify=*/false);
@@ -85,7 +88,7 @@ auto run_sync(Executor & ex, F && f) -> decltype(f()) {
     }
 }
 
-// A job submitted without waiting; asyncio awaits it through the runtime's wake-up fd.
+// A job submitted without waiting; async code awaits it through the runtime's wake-up fd.
 struct PyTicket {
     std::shared_ptr<Ticket> ticket;
     std::function<nb::object(std::any &)> convert;
@@ -102,10 +105,6 @@ struct PyTicket {
             std::rethrow_exception(ticket->error);
         }
         return convert(ticket->value);
-    }
-    // (queued, running) seconds, for step statistics
-    std::pair<double, double> timings() const {
-        return {(ticket->t_start_ns - ticket->t_submit_ns) / 1e9, (ticket->t_end_ns - ticket->t_start_ns) / 1e9};
     }
 };
 
@@ -137,6 +136,7 @@ std::shared_ptr<T> lock_weak(const std::weak_ptr<T> & weak) {  // native thread
 
 template <class T>
 struct Handle {
+    using Object = T;
     std::shared_ptr<Executor> ex;
     uint64_t id = 0;
     std::weak_ptr<T> weak;  // locked on the native thread only
@@ -156,6 +156,33 @@ struct Handle {
         ex = std::move(executor);
         weak = obj;
         id = ex->adopt(std::static_pointer_cast<void>(obj));
+    }
+    Executor & executor() const {
+        if (!ex) fail(ErrorKind::Closed, "uninitialised handle");
+        return *ex;
+    }
+};
+
+// f(object) on the handle's native thread; the caller waits with the GIL released.
+template <class H, class F>
+auto on_native(H & h, F && f) {
+    return run_sync(h.executor(), [&h, f = std::forward<F>(f)]() mutable { return f(*h.lock()); });
+}
+
+// A member function of the handle's object as a binding: `Bound<SessionHandle,
+// &SpecSession::accept>::call` takes (handle, args...) and runs the method natively.
+template <class H, auto M>
+struct Bound;
+template <class H, class T, class R, class... A, R (T::*M)(A...)>
+struct Bound<H, M> {
+    static std::decay_t<R> call(H & h, A... a) {
+        return on_native(h, [a...](T & obj) mutable -> std::decay_t<R> { return (obj.*M)(a...); });
+    }
+};
+template <class H, class T, class R, class... A, R (T::*M)(A...) const>
+struct Bound<H, M> {
+    static std::decay_t<R> call(H & h, A... a) {
+        return on_native(h, [a...](T & obj) -> std::decay_t<R> { return (obj.*M)(a...); });
     }
 };
 
@@ -178,20 +205,12 @@ struct ContextHandle : Handle<Context> {
     std::shared_ptr<Outputs> out = std::make_shared<Outputs>();
 };
 
-struct RunnerHandle : Handle<StepRunner> {
-    ModelInfo info;
-};
+struct RunnerHandle : Handle<StepRunner> {};
 
 struct SessionHandle : Handle<SpecSession> {
     SpecConfig config;
     nb::object target_ref, draft_ref;
 };
-
-template <class T>
-Executor & executor_of(const Handle<T> & h) {
-    if (!h.ex) fail(ErrorKind::Closed, "uninitialised handle");
-    return *h.ex;
-}
 
 std::vector<uint8_t> to_vec(const nb::bytes & b) {
     const auto * p = static_cast<const uint8_t *>(b.data());
@@ -201,6 +220,8 @@ std::vector<uint8_t> to_vec(const nb::bytes & b) {
 nb::bytes to_bytes(const std::vector<uint8_t> & v) {
     return nb::bytes(reinterpret_cast<const char *>(v.data()), v.size());
 }
+
+nb::bytes to_bytes(const std::string & s) { return nb::bytes(s.data(), s.size()); }
 
 void translate(const std::exception_ptr & p, void *) {
     try {
@@ -241,6 +262,22 @@ void after_decode(Outputs & o, const Context & c) {
     o.n = c.n_outputs();
 }
 
+SequenceState to_state(nb::bytes target, nb::bytes draft, nb::bytes spec) {
+    return SequenceState{to_vec(target), to_vec(draft), to_vec(spec)};
+}
+
+// The sections of a checkpoint: a draft context's sequence state is never empty, so an
+// empty draft part means the session has no draft context.
+nb::dict state_sections(const SequenceState & s) {
+    nb::dict d;
+    d["target"] = to_bytes(s.target);
+    if (!s.draft.empty()) d["draft"] = to_bytes(s.draft);
+    d["spec"] = to_bytes(s.spec);
+    return d;
+}
+
+using Messages = std::vector<std::pair<std::string, std::string>>;
+
 }  // namespace
 
 NB_MODULE(_nb_spec, m) {
@@ -251,9 +288,7 @@ NB_MODULE(_nb_spec, m) {
 
     m.attr("STATE_SEQ_FLAGS_NONE") = LLAMA_STATE_SEQ_FLAGS_NONE;
     m.attr("STATE_SEQ_FLAGS_PARTIAL_ONLY") = LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY;
-    m.attr("SEQ_RM_PART") = static_cast<int>(COMMON_CONTEXT_SEQ_RM_TYPE_PART);
-    m.attr("SEQ_RM_FULL") = static_cast<int>(COMMON_CONTEXT_SEQ_RM_TYPE_FULL);
-    m.attr("SEQ_RM_RS") = static_cast<int>(COMMON_CONTEXT_SEQ_RM_TYPE_RS);
+    m.attr("SPEC_TYPES") = nb::tuple(nb::cast(spec_types()));
     m.def("system_info", [] { return std::string(llama_print_system_info()); });
 
     // --- runtime ------------------------------------------------------------------------
@@ -261,8 +296,7 @@ NB_MODULE(_nb_spec, m) {
         .def_prop_ro("id", &PyTicket::id)
         .def("done", &PyTicket::done)
         .def("wait", &PyTicket::wait)
-        .def("result", &PyTicket::result, "Wait (GIL released), then return the result or raise its error.")
-        .def("timings", &PyTicket::timings, "(seconds queued, seconds running)");
+        .def("result", &PyTicket::result, "Wait (GIL released), then return the result or raise its error.");
 
     nb::class_<Runtime>(m, "Runtime", "The native thread that makes every llama.cpp call.")
         .def(nb::init<>())
@@ -294,9 +328,6 @@ NB_MODULE(_nb_spec, m) {
         .def_ro("target_hidden_size", &GgufFacts::target_hidden_size)
         .def_ro("mask_token_id", &GgufFacts::mask_token_id)
         .def_ro("block_size", &GgufFacts::block_size);
-    m.def("preflight_gguf", [](Runtime & r, const std::string & path) {
-        return run_sync(*r.ex, [path] { return preflight_gguf(path); });
-    }, "runtime"_a, "path"_a, "Read and check a GGUF header without loading it.");
 
     nb::class_<ModelInfo>(m, "ModelInfo")
         .def_ro("path", &ModelInfo::path)
@@ -341,40 +372,27 @@ NB_MODULE(_nb_spec, m) {
                 return h;
             }, "runtime"_a, "path"_a, "n_gpu_layers"_a = 0, "load_mtp"_a = false, "vocab_only"_a = false)
         .def_prop_ro("info", [](const ModelHandle & h) { return h.info; })
-        .def("tokenize", [](ModelHandle & h, const std::string & text, bool add_special, bool parse_special) {
-                return run_sync(executor_of(h), [&h, text, add_special, parse_special] {
-                    return h.lock()->tokenize(text, add_special, parse_special);
-                });
-            }, "text"_a, "add_special"_a = true, "parse_special"_a = false)
+        .def("tokenize", &Bound<ModelHandle, &Model::tokenize>::call,
+             "text"_a, "add_special"_a = true, "parse_special"_a = false)
         .def("tokenize_async", [](ModelHandle & h, const std::string & text, bool add_special, bool parse_special) {
-                return run_async(executor_of(h), [weak = h.weak, text, add_special, parse_special] {
+                return run_async(h.executor(), [weak = h.weak, text, add_special, parse_special] {
                     return lock_weak(weak)->tokenize(text, add_special, parse_special);
                 });
             }, "text"_a, "add_special"_a = true, "parse_special"_a = false)
-        .def("apply_chat_template_async", [](ModelHandle & h, const std::vector<std::pair<std::string, std::string>> & msgs,
-                                             bool add_assistant, const std::string & tmpl) {
-                return run_async(executor_of(h), [weak = h.weak, msgs, add_assistant, tmpl] {
-                    return lock_weak(weak)->apply_chat_template(msgs, add_assistant, tmpl);
-                });
-            }, "messages"_a, "add_assistant"_a = true, "template"_a = "")
         .def("detokenize", [](ModelHandle & h, const std::vector<int32_t> & tokens, bool remove_special,
                               bool unparse_special) {
-                std::string s = run_sync(executor_of(h), [&h, tokens, remove_special, unparse_special] {
-                    return h.lock()->detokenize(tokens, remove_special, unparse_special);
-                });
-                return nb::bytes(s.data(), s.size());
+                return to_bytes(Bound<ModelHandle, &Model::detokenize>::call(h, tokens, remove_special, unparse_special));
             }, "tokens"_a, "remove_special"_a = false, "unparse_special"_a = false,
             "Bytes, which may end inside a multi-byte UTF-8 character.")
         .def("token_to_piece", [](ModelHandle & h, int32_t token, bool special) {
-                std::string s = run_sync(executor_of(h), [&h, token, special] {
-                    return h.lock()->token_to_piece(token, special);
-                });
-                return nb::bytes(s.data(), s.size());
+                return to_bytes(Bound<ModelHandle, &Model::token_to_piece>::call(h, token, special));
             }, "token"_a, "special"_a = false)
-        .def("apply_chat_template", [](ModelHandle & h, const std::vector<std::pair<std::string, std::string>> & msgs,
-                                       bool add_assistant, const std::string & tmpl) {
-                return run_sync(executor_of(h), [&h, msgs, add_assistant, tmpl] {
-                    return h.lock()->apply_chat_template(msgs, add_assistant, tmpl);
+        .def("apply_chat_template", &Bound<ModelHandle, &Model::apply_chat_template>::call,
+             "messages"_a, "add_assistant"_a = true, "template"_a = "")
+        .def("apply_chat_template_async", [](ModelHandle & h, const Messages & msgs, bool add_assistant,
+                                             const std::string & tmpl) {
+                return run_async(h.executor(), [weak = h.weak, msgs, add_assistant, tmpl] {
+                    return lock_weak(weak)->apply_chat_template(msgs, add_assistant, tmpl);
                 });
             }, "messages"_a, "add_assistant"_a = true, "template"_a = "");
 
@@ -397,6 +415,13 @@ NB_MODULE(_nb_spec, m) {
         .def_rw("embeddings", &ContextParams::embeddings)
         .def_rw("kv_unified", &ContextParams::kv_unified);
 
+    // decode on the native thread; the job holds no reference to the Python handle
+    auto decode = [](const std::weak_ptr<Context> & weak, const std::shared_ptr<Outputs> & out, const BatchData & b) {
+        auto c = lock_weak(weak);
+        const int32_t n = c->decode(b);
+        after_decode(*out, *c);
+        return n;
+    };
     nb::class_<ContextHandle>(m, "Context")
         .def_static("create", [](std::shared_ptr<ModelHandle> model, const ContextParams & params,
                                  std::shared_ptr<ContextHandle> other) {
@@ -415,26 +440,19 @@ NB_MODULE(_nb_spec, m) {
             }, "model"_a, "params"_a, "other"_a = nullptr)
         .def_prop_ro("params", [](const ContextHandle & h) { return h.params; })
         .def_prop_ro("model", [](const ContextHandle & h) { return h.model_ref; })
-        .def("decode", [](ContextHandle & h, const std::vector<int32_t> & tokens, const std::vector<int32_t> & pos,
-                          const std::vector<int32_t> & seq, const std::vector<bool> & logits) {
-                BatchData b = make_batch(tokens, pos, seq, logits);
+        .def("decode", [decode](ContextHandle & h, const std::vector<int32_t> & tokens, const std::vector<int32_t> & pos,
+                                const std::vector<int32_t> & seq, const std::vector<bool> & logits) {
                 *h.out = Outputs{};
-                return run_sync(executor_of(h), [&h, b] {
-                    auto c = h.lock();
-                    const int32_t n = c->decode(b);
-                    after_decode(*h.out, *c);
-                    return n;
+                return run_sync(h.executor(), [=, weak = h.weak, out = h.out, b = make_batch(tokens, pos, seq, logits)] {
+                    return decode(weak, out, b);
                 });
             }, "tokens"_a, "pos"_a, "seq"_a, "logits"_a)
-        .def("decode_async", [](ContextHandle & h, const std::vector<int32_t> & tokens, const std::vector<int32_t> & pos,
-                                const std::vector<int32_t> & seq, const std::vector<bool> & logits) {
-                BatchData b = make_batch(tokens, pos, seq, logits);
+        .def("decode_async", [decode](ContextHandle & h, const std::vector<int32_t> & tokens,
+                                      const std::vector<int32_t> & pos, const std::vector<int32_t> & seq,
+                                      const std::vector<bool> & logits) {
                 *h.out = Outputs{};
-                return run_async(executor_of(h), [weak = h.weak, out = h.out, b] {
-                    auto c = lock_weak(weak);
-                    const int32_t n = c->decode(b);
-                    after_decode(*out, *c);
-                    return n;
+                return run_async(h.executor(), [=, weak = h.weak, out = h.out, b = make_batch(tokens, pos, seq, logits)] {
+                    return decode(weak, out, b);
                 });
             }, "tokens"_a, "pos"_a, "seq"_a, "logits"_a)
         .def_prop_ro("logits", [](nb::handle self) {
@@ -451,29 +469,15 @@ NB_MODULE(_nb_spec, m) {
                     h.out->embeddings, {static_cast<size_t>(h.out->n), static_cast<size_t>(h.n_embd)}, self);
             }, nb::rv_policy::reference_internal,
             "Embeddings of the last decode's outputs, a view without copy: valid until the next decode.")
-        .def("kv_remove", [](ContextHandle & h, int64_t seq_id, int64_t p0, int64_t p1) {
-                return run_sync(executor_of(h), [&h, seq_id, p0, p1] { return h.lock()->kv_remove(seq_id, p0, p1); });
-            }, "seq_id"_a, "p0"_a = -1, "p1"_a = -1)
-        .def("seq_pos_max", [](ContextHandle & h, int32_t seq_id) {
-                return run_sync(executor_of(h), [&h, seq_id] { return h.lock()->seq_pos_max(seq_id); });
-            }, "seq_id"_a)
-        .def("seq_pos_min", [](ContextHandle & h, int32_t seq_id) {
-                return run_sync(executor_of(h), [&h, seq_id] { return h.lock()->seq_pos_min(seq_id); });
-            }, "seq_id"_a)
-        .def("can_seq_rm", [](ContextHandle & h) {
-                return run_sync(executor_of(h), [&h] { return h.lock()->can_seq_rm(); });
-            })
-        .def("state_seq_size", [](ContextHandle & h, int32_t seq_id, uint32_t flags) {
-                return run_sync(executor_of(h), [&h, seq_id, flags] { return h.lock()->state_seq_size(seq_id, flags); });
-            }, "seq_id"_a, "flags"_a = 0)
+        .def("kv_remove", &Bound<ContextHandle, &Context::kv_remove>::call, "seq_id"_a, "p0"_a = -1, "p1"_a = -1)
+        .def("seq_pos_max", &Bound<ContextHandle, &Context::seq_pos_max>::call, "seq_id"_a)
+        .def("seq_pos_min", &Bound<ContextHandle, &Context::seq_pos_min>::call, "seq_id"_a)
+        .def("state_seq_size", &Bound<ContextHandle, &Context::state_seq_size>::call, "seq_id"_a, "flags"_a = 0)
         .def("state_seq_get", [](ContextHandle & h, int32_t seq_id, uint32_t flags) {
-                return to_bytes(run_sync(executor_of(h), [&h, seq_id, flags] {
-                    return h.lock()->state_seq_get(seq_id, flags);
-                }));
+                return to_bytes(Bound<ContextHandle, &Context::state_seq_get>::call(h, seq_id, flags));
             }, "seq_id"_a, "flags"_a = 0)
         .def("state_seq_set", [](ContextHandle & h, nb::bytes data, int32_t seq_id, uint32_t flags) {
-                std::vector<uint8_t> v = to_vec(data);
-                return run_sync(executor_of(h), [&h, v, seq_id, flags] { return h.lock()->state_seq_set(v, seq_id, flags); });
+                return Bound<ContextHandle, &Context::state_seq_set>::call(h, to_vec(data), seq_id, flags);
             }, "data"_a, "seq_id"_a, "flags"_a = 0);
 
     // --- speculative session ------------------------------------------------------------
@@ -489,6 +493,9 @@ NB_MODULE(_nb_spec, m) {
         .def_rw("ngram_size_m", &SpecConfig::ngram_size_m)
         .def_rw("ngram_min_hits", &SpecConfig::ngram_min_hits);
     m.def("validate_spec_config", &validate_spec_config, "config"_a);
+    m.def("spec_config_digest", &spec_config_digest, "config"_a,
+          "What a speculative state is valid for: a digest of every field of the config.");
+    m.def("spec_type_needs_draft_model", &spec_type_needs_draft_model, "type"_a);
 
     nb::class_<SpecStats>(m, "SpecStats")
         .def_ro("n_begin", &SpecStats::n_begin)
@@ -503,6 +510,7 @@ NB_MODULE(_nb_spec, m) {
         .def_ro("t_draft_us", &SpecStats::t_draft_us)
         .def_ro("t_accept_us", &SpecStats::t_accept_us);
 
+    using S = SessionHandle;
     nb::class_<SessionHandle>(m, "SpecSession")
         .def_static("create", [](nb::object target_obj, nb::object draft_obj, const SpecConfig & config) {
                 auto & target = nb::cast<ContextHandle &>(target_obj);
@@ -520,75 +528,63 @@ NB_MODULE(_nb_spec, m) {
                 h->draft_ref = draft_obj;
                 return h;
             }, "target"_a, "draft"_a.none(), "config"_a)
-        .def_prop_ro("config", [](const SessionHandle & h) { return h.config; })
-        .def_prop_ro("target_context", [](const SessionHandle & h) { return h.target_ref; })
-        .def_prop_ro("draft_context", [](const SessionHandle & h) { return h.draft_ref; })
-        .def("need_embd", [](SessionHandle & h) { return run_sync(executor_of(h), [&h] { return h.lock()->need_embd(); }); })
-        .def("need_embd_pre_norm", [](SessionHandle & h) {
-                return run_sync(executor_of(h), [&h] { return h.lock()->need_embd_pre_norm(); });
-            })
-        .def("decode_target", [](SessionHandle & h, const std::vector<int32_t> & tokens, const std::vector<int32_t> & pos,
+        .def_prop_ro("config", [](const S & h) { return h.config; })
+        .def_prop_ro("target_context", [](const S & h) { return h.target_ref; })
+        .def_prop_ro("draft_context", [](const S & h) { return h.draft_ref; })
+        .def("need_embd", &Bound<S, &SpecSession::need_embd>::call)
+        .def("need_embd_pre_norm", &Bound<S, &SpecSession::need_embd_pre_norm>::call)
+        .def("decode_target", [](S & h, const std::vector<int32_t> & tokens, const std::vector<int32_t> & pos,
                                  const std::vector<int32_t> & seq, const std::vector<bool> & logits, bool process) {
                 BatchData b = make_batch(tokens, pos, seq, logits);
                 ContextHandle & t = nb::cast<ContextHandle &>(h.target_ref);
                 *t.out = Outputs{};
-                run_sync(executor_of(h), [&h, out = t.out, b, process] {
-                    auto s = h.lock();
-                    s->decode_target(b);
-                    after_decode(*out, *s->target());
-                    if (process) s->process(b);
+                on_native(h, [out = t.out, b, process](SpecSession & s) {
+                    s.decode_target(b);
+                    after_decode(*out, *s.target());
+                    if (process) s.process(b);
                 });
             }, "tokens"_a, "pos"_a, "seq"_a, "logits"_a, "process"_a)
-        .def("process", [](SessionHandle & h, const std::vector<int32_t> & tokens, const std::vector<int32_t> & pos,
+        .def("process", [](S & h, const std::vector<int32_t> & tokens, const std::vector<int32_t> & pos,
                            const std::vector<int32_t> & seq, const std::vector<bool> & logits) {
-                BatchData b = make_batch(tokens, pos, seq, logits);
-                run_sync(executor_of(h), [&h, b] { h.lock()->process(b); });
+                on_native(h, [b = make_batch(tokens, pos, seq, logits)](SpecSession & s) { s.process(b); });
             }, "tokens"_a, "pos"_a, "seq"_a, "logits"_a)
-        .def("begin", [](SessionHandle & h, int32_t seq_id, const std::vector<int32_t> & prompt) {
-                run_sync(executor_of(h), [&h, seq_id, prompt] { h.lock()->begin(seq_id, prompt); });
-            }, "seq_id"_a, "prompt"_a)
-        .def("draft", [](SessionHandle & h, int32_t seq_id, int32_t n_past, int32_t id_last) {
-                return run_sync(executor_of(h), [&h, seq_id, n_past, id_last] {
-                    return h.lock()->draft(seq_id, n_past, id_last);
-                });
-            }, "seq_id"_a, "n_past"_a, "id_last"_a)
-        .def("draft_many", [](SessionHandle & h, const std::vector<std::vector<int32_t>> & requests) {
+        .def("begin", &Bound<S, &SpecSession::begin>::call, "seq_id"_a, "prompt"_a)
+        .def("draft", &Bound<S, &SpecSession::draft>::call, "seq_id"_a, "n_past"_a, "id_last"_a)
+        .def("draft_many", [](S & h, const std::vector<std::vector<int32_t>> & requests) {
                 std::vector<DraftRequest> rs;
                 for (const auto & r : requests) {
                     if (r.size() != 3 && r.size() != 4) fail(ErrorKind::InvalidArgument, "draft request must be (seq_id, n_past, id_last[, n_max])");
                     rs.push_back({r[0], r[1], r[2], r.size() == 4 ? r[3] : -1});
                 }
-                return run_sync(executor_of(h), [&h, rs] { return h.lock()->draft_many(rs); });
+                return Bound<S, &SpecSession::draft_many>::call(h, rs);
             }, "requests"_a)
-        .def("accept", [](SessionHandle & h, int32_t seq_id, int64_t n_accepted) {
-                run_sync(executor_of(h), [&h, seq_id, n_accepted] { h.lock()->accept(seq_id, n_accepted); });
-            }, "seq_id"_a, "n_accepted"_a)
-        .def("is_quiescent", [](SessionHandle & h) { return run_sync(executor_of(h), [&h] { return h.lock()->is_quiescent(); }); })
-        .def("pending", [](SessionHandle & h, int32_t seq_id) {
-                return run_sync(executor_of(h), [&h, seq_id] { return h.lock()->pending(seq_id); });
-            }, "seq_id"_a)
-        .def("print_stats", [](SessionHandle & h) { run_sync(executor_of(h), [&h] { h.lock()->print_stats(); }); })
-        .def("stats", [](SessionHandle & h) { return run_sync(executor_of(h), [&h] { return h.lock()->stats(); }); })
-        .def("history", [](SessionHandle & h, int32_t seq_id) {
-                return run_sync(executor_of(h), [&h, seq_id] {
-                    auto s = h.lock();
-                    s->check_seq(seq_id);
-                    return s->history(seq_id);
+        .def("accept", &Bound<S, &SpecSession::accept>::call, "seq_id"_a, "n_accepted"_a)
+        .def("is_quiescent", &Bound<S, &SpecSession::is_quiescent>::call)
+        .def("pending", &Bound<S, &SpecSession::pending>::call, "seq_id"_a)
+        .def("print_stats", &Bound<S, &SpecSession::print_stats>::call)
+        .def("stats", &Bound<S, &SpecSession::stats>::call)
+        .def("history", [](S & h, int32_t seq_id) {
+                return on_native(h, [seq_id](SpecSession & s) {
+                    s.check_seq(seq_id);
+                    return s.history(seq_id);
                 });
             }, "seq_id"_a)
-        .def("speculative_state", [](SessionHandle & h, int32_t seq_id) {
-                return to_bytes(run_sync(executor_of(h), [&h, seq_id] { return h.lock()->speculative_state(seq_id); }));
+        .def("speculative_state", [](S & h, int32_t seq_id) {
+                return to_bytes(Bound<S, &SpecSession::speculative_state>::call(h, seq_id));
             }, "seq_id"_a)
-        .def("restore_speculative_state", [](SessionHandle & h, int32_t seq_id, nb::bytes state) {
-                std::vector<uint8_t> v = to_vec(state);
-                run_sync(executor_of(h), [&h, seq_id, v] { h.lock()->restore_speculative_state(seq_id, v); });
+        .def("restore_speculative_state", [](S & h, int32_t seq_id, nb::bytes state) {
+                Bound<S, &SpecSession::restore_speculative_state>::call(h, seq_id, to_vec(state));
             }, "seq_id"_a, "state"_a)
-        .def("clear_target_kv", [](SessionHandle & h, int64_t seq_id, int64_t p0, int64_t p1) {
-                return run_sync(executor_of(h), [&h, seq_id, p0, p1] { return h.lock()->clear_target_kv(seq_id, p0, p1); });
-            }, "seq_id"_a = -1, "p0"_a = -1, "p1"_a = -1)
-        .def("clear_draft_kv", [](SessionHandle & h, int64_t seq_id, int64_t p0, int64_t p1) {
-                return run_sync(executor_of(h), [&h, seq_id, p0, p1] { return h.lock()->clear_draft_kv(seq_id, p0, p1); });
-            }, "seq_id"_a = -1, "p0"_a = -1, "p1"_a = -1);
+        .def("capture_sequence", [](S & h, int32_t seq_id) {
+                return state_sections(Bound<S, &SpecSession::capture_sequence>::call(h, seq_id));
+            }, "seq_id"_a, "Target, draft and speculative sections of one sequence, at a quiescent point.")
+        .def("restore_sequence", [](S & h, int32_t seq_id, nb::bytes target, nb::bytes draft, nb::bytes spec) {
+                Bound<S, &SpecSession::restore_sequence>::call(h, seq_id, to_state(target, draft, spec));
+            }, "seq_id"_a, "target"_a, "draft"_a, "spec"_a)
+        .def("clear_target_kv", &Bound<S, &SpecSession::clear_target_kv>::call,
+             "seq_id"_a = -1, "p0"_a = -1, "p1"_a = -1)
+        .def("clear_draft_kv", &Bound<S, &SpecSession::clear_draft_kv>::call,
+             "seq_id"_a = -1, "p0"_a = -1, "p1"_a = -1);
 
     // --- the engine step ----------------------------------------------------------------
     nb::class_<SamplerParams>(m, "SamplerParams")
@@ -605,13 +601,16 @@ NB_MODULE(_nb_spec, m) {
         .def_rw("ignore_eos", &SamplerParams::ignore_eos)
         .def_rw("grammar", &SamplerParams::grammar)
         .def_rw("json_schema", &SamplerParams::json_schema);
+    m.def("validate_sampler_params", &validate_sampler_params, "params"_a);
 
     nb::class_<StepPlan>(m, "StepPlan", "What one engine step does; filled by the scheduler.")
         .def(nb::init<>())
+        .def("settle", [](StepPlan & p, int32_t seq, int32_t n_accepted) { p.settles.push_back({seq, n_accepted}); },
+             "seq"_a, "n_accepted"_a)
         .def("capture", [](StepPlan & p, int32_t seq) { p.captures.push_back(seq); }, "seq"_a)
         .def("clear", [](StepPlan & p, int32_t seq) { p.clears.push_back(seq); }, "seq"_a)
         .def("restore", [](StepPlan & p, int32_t seq, nb::bytes target, nb::bytes draft, nb::bytes spec) {
-                p.restores.push_back({seq, to_vec(target), to_vec(draft), to_vec(spec)});
+                p.restores.push_back({seq, to_state(target, draft, spec)});
             }, "seq"_a, "target"_a, "draft"_a, "spec"_a)
         .def("configure", [](StepPlan & p, int32_t seq, const SamplerParams & params,
                              std::vector<int32_t> replay_prompt, std::vector<int32_t> replay_generated) {
@@ -621,25 +620,22 @@ NB_MODULE(_nb_spec, m) {
         .def("work", [](StepPlan & p, int32_t seq, std::vector<int32_t> tokens, int32_t pos0, bool sample,
                         int32_t n_draft, bool begin) {
                 p.work.push_back({seq, std::move(tokens), pos0, sample, n_draft, begin});
-            }, "seq"_a, "tokens"_a, "pos0"_a, "sample"_a, "n_draft"_a = 0, "begin"_a = false)
-        .def_prop_ro("n_work", [](const StepPlan & p) { return p.work.size(); });
+            }, "seq"_a, "tokens"_a, "pos0"_a, "sample"_a, "n_draft"_a = 0, "begin"_a = false);
 
     nb::class_<StepOutput>(m, "StepOutput")
         .def_ro("seq", &StepOutput::seq)
         .def_ro("tokens", &StepOutput::tokens)
         .def_prop_ro("pieces", [](const StepOutput & o) {
             nb::list out;
-            for (const auto & p : o.pieces) out.append(nb::bytes(p.data(), p.size()));
+            for (const auto & p : o.pieces) out.append(to_bytes(p));
             return out;
         })
         .def_ro("drafted", &StepOutput::drafted)
         .def_ro("accepted", &StepOutput::accepted)
-        .def_ro("n_past", &StepOutput::n_past);
+        .def_ro("pos", &StepOutput::pos);
     nb::class_<StepCapture>(m, "StepCapture")
         .def_ro("seq", &StepCapture::seq)
-        .def_prop_ro("target", [](const StepCapture & c) { return to_bytes(c.target); })
-        .def_prop_ro("draft", [](const StepCapture & c) { return to_bytes(c.draft); })
-        .def_prop_ro("spec", [](const StepCapture & c) { return to_bytes(c.spec); });
+        .def_prop_ro("sections", [](const StepCapture & c) { return state_sections(c.state); });
     nb::class_<StepError>(m, "StepError")
         .def_ro("seq", &StepError::seq)
         .def_ro("kind", &StepError::kind)
@@ -663,20 +659,11 @@ NB_MODULE(_nb_spec, m) {
                 auto h = std::make_shared<RunnerHandle>();
                 auto ex = session.ex;
                 run_sync(*ex, [ex, h_raw = h.get(), &session] {
-                    auto r = std::make_shared<StepRunner>(session.lock());
-                    h_raw->adopt(ex, r);
+                    h_raw->adopt(ex, std::make_shared<StepRunner>(session.lock()));
                 });
                 return h;
             }, "session"_a)
         .def("step_async", [](RunnerHandle & h, const StepPlan & plan) {
-                return run_async(executor_of(h), [weak = h.weak, plan] { return lock_weak(weak)->run(plan); });
-            }, "plan"_a)
-        .def("step", [](RunnerHandle & h, const StepPlan & plan) {
-                return run_sync(executor_of(h), [&h, plan] { return h.lock()->run(plan); });
-            }, "plan"_a)
-        .def("check_sampler", [](RunnerHandle & h, const SamplerParams & params) {
-                run_sync(executor_of(h), [&h, params] {
-                    make_sampler(*h.lock()->session()->target()->model(), params);
-                });
-            }, "params"_a, "Validate sampling parameters (grammar, JSON schema) without a slot.");
+                return run_async(h.executor(), [weak = h.weak, plan] { return lock_weak(weak)->run(plan); });
+            }, "plan"_a);
 }

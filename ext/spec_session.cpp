@@ -9,10 +9,6 @@ namespace engine {
 
 namespace {
 
-const char * const kTypes[] = {"none",         "draft-simple", "draft-eagle3",  "draft-dflash",
-                               "draft-dspark", "draft-mtp",    "ngram-simple",  "ngram-map-k",
-                               "ngram-map-k4v", "ngram-mod",   "ngram-cache"};
-
 [[noreturn]] void incompatible(const std::string & why) {
     fail(ErrorKind::IncompatibleContexts, "incompatible contexts: " + why);
 }
@@ -35,11 +31,6 @@ uint32_t crc32(const uint8_t * data, size_t n) {
     return ~crc;
 }
 
-uint32_t config_digest(const SpecConfig & c) {
-    std::string key = c.type + "|" + std::to_string(c.n_draft_max) + "|" + std::to_string(c.n_min) + "|" +
-                      std::to_string(c.ngram_size_n) + "|" + std::to_string(c.ngram_size_m);
-    return crc32(reinterpret_cast<const uint8_t *>(key.data()), key.size());
-}
 
 struct Writer {
     std::vector<uint8_t> out;
@@ -76,21 +67,35 @@ struct Reader {
 
 }  // namespace
 
+const std::vector<std::string> & spec_types() {
+    static const std::vector<std::string> types = {
+        "none",      "draft-simple", "draft-eagle3", "draft-dflash", "draft-dspark", "draft-mtp",
+        "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache"};
+    return types;
+}
+
+uint32_t spec_config_digest(const SpecConfig & c) {
+    uint32_t p_min_bits = 0;
+    std::memcpy(&p_min_bits, &c.p_min, sizeof(p_min_bits));
+    const std::string key = c.type + "|" + std::to_string(c.n_seq) + "|" + std::to_string(c.n_draft_max) + "|" +
+                            std::to_string(c.n_min) + "|" + std::to_string(p_min_bits) + "|" +
+                            std::to_string(c.backend_sampling) + "|" + std::to_string(c.ngram_size_n) + "|" +
+                            std::to_string(c.ngram_size_m) + "|" + std::to_string(c.ngram_min_hits);
+    return crc32(reinterpret_cast<const uint8_t *>(key.data()), key.size());
+}
+
 bool spec_type_needs_draft_model(const std::string & t) {
     return t == "draft-simple" || t == "draft-eagle3" || t == "draft-dflash" || t == "draft-dspark";
 }
 
 bool spec_type_is_mtp(const std::string & t) { return t == "draft-mtp"; }
 
-static bool spec_type_harvests_hidden(const std::string & t) {
-    return t == "draft-eagle3" || t == "draft-dflash" || t == "draft-dspark" || t == "draft-mtp";
-}
-
 void validate_spec_config(const SpecConfig & c) {
     auto bad = [](const std::string & why) { fail(ErrorKind::InvalidConfig, "invalid speculative config: " + why); };
-    if (std::find(std::begin(kTypes), std::end(kTypes), c.type) == std::end(kTypes)) {
+    const auto & types = spec_types();
+    if (std::find(types.begin(), types.end(), c.type) == types.end()) {
         std::string all;
-        for (const char * t : kTypes) all += std::string(all.empty() ? "" : ", ") + t;
+        for (const std::string & t : types) all += (all.empty() ? "" : ", ") + t;
         bad("unknown speculative type '" + c.type + "' (known: " + all + ")");
     }
     if (c.n_seq < 1 || c.n_seq > 256) bad("n_seq must be in [1, 256], got " + std::to_string(c.n_seq));
@@ -137,6 +142,12 @@ SpecSession::SpecSession(std::shared_ptr<Context> target, std::shared_ptr<Contex
     if (spec_ == nullptr) {
         fail(ErrorKind::Init, "speculative session init failed for type '" + config_.type + "'");
     }
+    // the drafter configures the target's hidden-state extraction itself: ask the context
+    // what it turned on rather than guessing from the type name
+    const Context::HiddenStates before = target_->hidden_states_at_creation();
+    const Context::HiddenStates after = target_->hidden_states();
+    need_embd_ = after.post_norm && !before.post_norm;
+    need_embd_pre_norm_ = after.pre_norm && !before.pre_norm;
 }
 
 SpecSession::~SpecSession() {
@@ -215,8 +226,6 @@ void SpecSession::validate_contexts() {
     check_draft_pairing(*target_->model(), *draft_->model());
 }
 
-bool SpecSession::need_embd_pre_norm() const { return spec_type_harvests_hidden(config_.type); }
-
 void SpecSession::check_seq(int64_t seq_id) const {
     if (seq_id < 0 || seq_id >= static_cast<int64_t>(config_.n_seq)) {
         fail_bad_seq(seq_id, config_.n_seq);
@@ -231,10 +240,23 @@ void SpecSession::require_quiescent() const {
             throw e;
         }
     }
+    if (!upstream_quiescent()) {
+        fail(ErrorKind::NotQuiescent, "the drafter is in the middle of a draft call (a sequence is still drafting)");
+    }
+}
+
+bool SpecSession::upstream_quiescent() const {
+    // upstream marks each sequence it drafts for and clears the mark when the draft call
+    // ends; a mark that survives means a draft call did not complete
+    if (spec_ == nullptr) return true;
+    for (uint32_t s = 0; s < config_.n_seq; ++s) {
+        if (common_speculative_get_draft_params(spec_, static_cast<llama_seq_id>(s)).drafting) return false;
+    }
+    return true;
 }
 
 bool SpecSession::is_quiescent() const {
-    return std::all_of(pending_.begin(), pending_.end(), [](int32_t p) { return p < 0; });
+    return std::all_of(pending_.begin(), pending_.end(), [](int32_t p) { return p < 0; }) && upstream_quiescent();
 }
 
 std::optional<int32_t> SpecSession::pending(int32_t seq_id) const {
@@ -432,6 +454,10 @@ void SpecSession::print_stats() const {
 }
 
 std::vector<uint8_t> SpecSession::speculative_state(int32_t seq_id) {
+    return spec_container(seq_id, /*require_payload=*/true);
+}
+
+std::vector<uint8_t> SpecSession::spec_container(int32_t seq_id, bool require_payload) {
     check_seq(seq_id);
     require_quiescent();
     std::vector<uint8_t> payload;
@@ -443,11 +469,15 @@ std::vector<uint8_t> SpecSession::speculative_state(int32_t seq_id) {
             fail(ErrorKind::State, std::string("speculative state capture failed: ") + e.what());
         }
     }
+    if (require_payload && !has_payload) {
+        fail(ErrorKind::State, "the '" + config_.type + "' drafter keeps no per-sequence speculative state to capture "
+                               "(capture the whole sequence instead)");
+    }
     const auto & h = history_[seq_id];
     Writer w;
     w.bytes(kStateMagic, 4);
     w.u32(kStateVersion);
-    w.u32(config_digest(config_));
+    w.u32(spec_config_digest(config_));
     w.u32(static_cast<uint32_t>(h.size()));
     w.bytes(h.data(), h.size() * sizeof(llama_token));
     w.u32(has_payload ? 1u : 0u);
@@ -458,9 +488,7 @@ std::vector<uint8_t> SpecSession::speculative_state(int32_t seq_id) {
     return std::move(w.out);
 }
 
-void SpecSession::restore_speculative_state(int32_t seq_id, const std::vector<uint8_t> & state) {
-    check_seq(seq_id);
-    require_quiescent();
+SpecSession::ParsedState SpecSession::parse_spec_container(const std::vector<uint8_t> & state) const {
     if (state.size() > kStateMaxBytes) fail(ErrorKind::State, "speculative state exceeds the size bound");
     if (state.size() < 4 + 4 * 6 || std::memcmp(state.data(), kStateMagic, 4) != 0) {
         fail(ErrorKind::State, "not a speculative state (bad magic or too short)");
@@ -470,28 +498,68 @@ void SpecSession::restore_speculative_state(int32_t seq_id, const std::vector<ui
     if (crc32(state.data(), state.size() - 4) != stored_crc) fail(ErrorKind::State, "speculative state checksum mismatch");
     Reader r{state, 4};
     if (r.u32() != kStateVersion) fail(ErrorKind::State, "unsupported speculative state version");
-    if (r.u32() != config_digest(config_)) fail(ErrorKind::State, "speculative state was taken with another speculative config");
+    if (r.u32() != spec_config_digest(config_)) fail(ErrorKind::State, "speculative state was taken with another speculative config");
+    ParsedState out;
     const uint32_t n_hist = r.u32();
     if (n_hist > target_->params().n_ctx) fail(ErrorKind::State, "speculative state history exceeds n_ctx");
-    std::vector<llama_token> hist(n_hist);
+    out.history.resize(n_hist);
     const uint8_t * hist_bytes = r.take(size_t(n_hist) * sizeof(llama_token));
     if (n_hist > 0) {  // (memcpy from/to null is undefined even for zero bytes: UBSan)
-        std::memcpy(hist.data(), hist_bytes, size_t(n_hist) * sizeof(llama_token));
+        std::memcpy(out.history.data(), hist_bytes, size_t(n_hist) * sizeof(llama_token));
     }
-    target_->model()->check_tokens(hist, "speculative state history");
-    const bool has_payload = r.u32() != 0;
+    target_->model()->check_tokens(out.history, "speculative state history");
+    out.has_payload = r.u32() != 0;
     const uint32_t n_payload = r.u32();
     const uint8_t * p = r.take(n_payload);
-    std::vector<uint8_t> payload(p, p + n_payload);
+    out.payload.assign(p, p + n_payload);
     if (r.at + 4 != state.size()) fail(ErrorKind::State, "speculative state has trailing bytes");
-    if (has_payload && spec_ != nullptr) {
+    return out;
+}
+
+void SpecSession::apply_spec_state(int32_t seq_id, ParsedState parsed) {
+    if (parsed.has_payload && spec_ != nullptr) {
         try {
-            common_speculative_set_state(spec_, seq_id, payload);
+            common_speculative_set_state(spec_, seq_id, parsed.payload);
         } catch (const std::exception & e) {
             fail(ErrorKind::State, std::string("speculative state restore failed: ") + e.what());
         }
     }
-    history_[seq_id] = std::move(hist);
+    history_[seq_id] = std::move(parsed.history);
+}
+
+void SpecSession::restore_speculative_state(int32_t seq_id, const std::vector<uint8_t> & state) {
+    check_seq(seq_id);
+    require_quiescent();
+    apply_spec_state(seq_id, parse_spec_container(state));
+}
+
+SequenceState SpecSession::capture_sequence(int32_t seq_id) {
+    SequenceState out;
+    out.spec = spec_container(seq_id, /*require_payload=*/false);  // checks the id and quiescence first
+    out.target = target_->state_seq_get(seq_id, 0);
+    if (draft_) out.draft = draft_->state_seq_get(seq_id, 0);
+    return out;
+}
+
+void SpecSession::restore_sequence(int32_t seq_id, const SequenceState & state) {
+    check_seq(seq_id);
+    require_quiescent();
+    ParsedState parsed = parse_spec_container(state.spec);  // nothing changes before this passed
+    if (draft_ && state.draft.empty()) fail(ErrorKind::State, "the sequence state has no draft context section");
+    clear_sequence(seq_id);
+    try {
+        target_->state_seq_set(state.target, seq_id, 0);
+        if (draft_) draft_->state_seq_set(state.draft, seq_id, 0);
+        apply_spec_state(seq_id, std::move(parsed));
+    } catch (...) {
+        clear_sequence(seq_id);
+        throw;
+    }
+}
+
+void SpecSession::clear_sequence(int32_t seq_id) {
+    clear_target_kv(seq_id, -1, -1);
+    if (draft_) clear_draft_kv(seq_id, -1, -1);
 }
 
 bool SpecSession::clear_target_kv(int64_t seq_id, int64_t p0, int64_t p1) {

@@ -35,8 +35,12 @@ struct SpecConfig {
     int32_t ngram_min_hits = 1;
 };
 
+// Upstream's speculative type names, in one place (Python reads them from here).
+const std::vector<std::string> & spec_types();
 // Validate a config alone (InvalidConfig); also used by Python before any context exists.
 void validate_spec_config(const SpecConfig & config);
+// What a speculative state is valid for: every field of the config.
+uint32_t spec_config_digest(const SpecConfig & config);
 bool spec_type_needs_draft_model(const std::string & type);  // draft-simple / eagle3 / dflash / dspark
 bool spec_type_is_mtp(const std::string & type);
 
@@ -45,6 +49,12 @@ struct DraftRequest {
     int32_t n_past;
     int32_t id_last;
     int32_t n_max;  // -1: the configured n_draft_max
+};
+
+// One sequence's whole state, captured at a quiescent point: target and draft KV (llama.cpp
+// sequence state) and the speculative container (history + the drafter's own state).
+struct SequenceState {
+    std::vector<uint8_t> target, draft, spec;
 };
 
 struct SpecStats {
@@ -64,8 +74,9 @@ public:
     const SpecConfig & config() const { return config_; }
     const std::shared_ptr<Context> & target() const { return target_; }
     const std::shared_ptr<Context> & draft_context() const { return draft_; }
-    bool need_embd() const { return false; }
-    bool need_embd_pre_norm() const;
+    // Which hidden states the drafter asked the target context for (observed at init).
+    bool need_embd() const { return need_embd_; }
+    bool need_embd_pre_norm() const { return need_embd_pre_norm_; }
 
     void decode_target(const BatchData & batch);
     void process(const BatchData & batch);
@@ -77,26 +88,44 @@ public:
     std::vector<std::vector<llama_token>> draft_many(const std::vector<DraftRequest> & requests);
     void accept(int32_t seq_id, int64_t n_accepted);
 
+    // No pending proposal on any sequence, and no draft call left unfinished upstream.
     bool is_quiescent() const;
     std::optional<int32_t> pending(int32_t seq_id) const;
     void print_stats() const;
     const SpecStats & stats() const { return stats_; }
 
+    // The seed's per-sequence speculative state: State error when the drafter keeps none.
     std::vector<uint8_t> speculative_state(int32_t seq_id);
     void restore_speculative_state(int32_t seq_id, const std::vector<uint8_t> & state);
+    // Whole-sequence capture and restore (checkpoints, preemption). Restore validates the
+    // speculative container before anything changes; a failure leaves the sequence empty.
+    SequenceState capture_sequence(int32_t seq_id);
+    void restore_sequence(int32_t seq_id, const SequenceState & state);
 
     bool clear_target_kv(int64_t seq_id, int64_t p0, int64_t p1);
     bool clear_draft_kv(int64_t seq_id, int64_t p0, int64_t p1);
+    void clear_sequence(int32_t seq_id);  // target and draft KV and the history of one sequence
 
     // Tokens the session knows to be in the target context for a sequence (by position).
     const std::vector<llama_token> & history(int32_t seq_id) const { return history_.at(seq_id); }
 
     void check_seq(int64_t seq_id) const;
+    // ProposalPending naming the first sequence with a pending proposal; NotQuiescent when
+    // upstream is still in a draft call.
     void require_quiescent() const;
 
 private:
+    bool upstream_quiescent() const;
     void validate_contexts();
     void record_history(const BatchData & batch);
+    std::vector<uint8_t> spec_container(int32_t seq_id, bool require_payload);
+    struct ParsedState {
+        std::vector<llama_token> history;
+        bool has_payload = false;
+        std::vector<uint8_t> payload;
+    };
+    ParsedState parse_spec_container(const std::vector<uint8_t> & state) const;
+    void apply_spec_state(int32_t seq_id, ParsedState parsed);
 
     std::shared_ptr<Context> target_;
     std::shared_ptr<Context> draft_;
@@ -106,6 +135,7 @@ private:
     std::vector<std::vector<llama_token>> history_;
     std::vector<std::vector<llama_token>> results_;  // upstream writes drafts here
     SpecStats stats_;
+    bool need_embd_ = false, need_embd_pre_norm_ = false;
 };
 
 }  // namespace engine

@@ -1,13 +1,6 @@
 #include "step.h"
 
-#include "json-schema-to-grammar.h"
-#include "json.h"
-
 #include <algorithm>
-#include <chrono>
-#include <cmath>
-#include <limits>
-#include <optional>
 
 namespace engine {
 
@@ -22,192 +15,150 @@ StepError to_step_error(int32_t seq, const std::exception & e) {
 
 }  // namespace
 
-common_sampler_ptr make_sampler(const Model & model, const SamplerParams & sp) {
-    auto bad = [](const std::string & why) { fail(ErrorKind::InvalidArgument, why); };
-    if (!(sp.temperature >= 0.0f) || !std::isfinite(sp.temperature)) bad("temperature must be >= 0");
-    if (sp.top_k < 0) bad("top_k must be >= 0");
-    if (!(sp.top_p > 0.0f && sp.top_p <= 1.0f)) bad("top_p must be in (0, 1]");
-    if (!(sp.min_p >= 0.0f && sp.min_p <= 1.0f)) bad("min_p must be in [0, 1]");
-    if (sp.penalty_last_n < -1) bad("penalty_last_n must be >= -1");
-    if (!std::isfinite(sp.repetition_penalty) || sp.repetition_penalty <= 0.0f) bad("repetition_penalty must be > 0");
-    if (!std::isfinite(sp.presence_penalty) || !std::isfinite(sp.frequency_penalty)) bad("penalties must be finite");
-    if (!sp.grammar.empty() && !sp.json_schema.empty()) bad("give a grammar or a JSON schema, not both");
+struct StepRunner::State {
+    const StepPlan & plan;
+    StepResult result;
+    std::vector<bool> failed;                       // per sequence: failed this step, skip the rest
+    std::vector<const StepWork *> work;             // valid work items, ascending sequence ids
+    std::vector<std::vector<llama_token>> drafts;   // per sequence
+    std::optional<Error> decode_error;              // why the last decode_and_verify failed
 
-    common_params_sampling p;
-    p.seed = sp.seed;
-    p.temp = sp.temperature;
-    p.top_k = sp.top_k;
-    p.top_p = sp.top_p;
-    p.min_p = sp.min_p;
-    p.penalty_last_n = sp.penalty_last_n;
-    p.penalty_repeat = sp.repetition_penalty;
-    p.penalty_present = sp.presence_penalty;
-    p.penalty_freq = sp.frequency_penalty;
-    p.no_perf = true;
-    if (sp.ignore_eos) {
-        for (int32_t t : model.info().eog_tokens) {
-            p.logit_bias.push_back({t, -std::numeric_limits<float>::infinity()});
-        }
-    }
-    std::string grammar = sp.grammar;
-    if (!sp.json_schema.empty()) {
-        try {
-            grammar = json_schema_to_grammar(common_json::parse(sp.json_schema));
-        } catch (const std::exception & e) {
-            bad(std::string("invalid JSON schema: ") + e.what());
-        }
-    }
-    if (!grammar.empty()) {
-        p.grammar = common_grammar(COMMON_GRAMMAR_TYPE_USER, grammar);
-    }
-    common_sampler * s = nullptr;
-    try {
-        s = common_sampler_init(model.get(), p);
-    } catch (const std::exception & e) {
-        bad(std::string("invalid sampling parameters: ") + e.what());
-    }
-    if (s == nullptr) bad(grammar.empty() ? "could not create the sampler" : "invalid grammar");
-    return common_sampler_ptr(s);
-}
+    State(const StepPlan & p, size_t n_seq) : plan(p), failed(n_seq, false), drafts(n_seq) {}
+};
 
-StepRunner::StepRunner(std::shared_ptr<SpecSession> session) : session_(std::move(session)) {
-    samplers_.resize(session_->config().n_seq);
-    plain_greedy_.assign(session_->config().n_seq, false);
-    ignore_eos_.assign(session_->config().n_seq, false);
-}
-
-static bool is_plain_greedy(const SamplerParams & p) {
-    return p.temperature <= 0.0f && p.repetition_penalty == 1.0f && p.presence_penalty == 0.0f &&
-           p.frequency_penalty == 0.0f && p.grammar.empty() && p.json_schema.empty();
-}
-
-std::vector<llama_token> StepRunner::verify(int32_t seq, const std::vector<int> & idxs,
-                                            const std::vector<llama_token> & draft) {
-    Context & target = *session_->target();
-    if (!plain_greedy_[seq]) {
-        return common_sampler_sample_and_accept_n(samplers_[seq].get(), target.get(), idxs, draft);
-    }
-    // same result as the greedy sampler chain: argmax (EOG tokens excluded under ignore_eos)
-    const ModelInfo & info = target.model()->info();
-    const int32_t n_vocab = info.n_vocab;
-    std::vector<llama_token> out;
-    for (size_t i = 0; i < idxs.size(); ++i) {
-        const float * row = llama_get_logits_ith(target.get(), idxs[i]);
-        llama_token best = 0;
-        float best_v = -std::numeric_limits<float>::infinity();
-        for (llama_token t = 0; t < n_vocab; ++t) {
-            if (row[t] > best_v) {
-                best_v = row[t];
-                best = t;
-            }
-        }
-        if (ignore_eos_[seq] && std::find(info.eog_tokens.begin(), info.eog_tokens.end(), best) != info.eog_tokens.end()) {
-            best_v = -std::numeric_limits<float>::infinity();
-            for (llama_token t = 0; t < n_vocab; ++t) {
-                if (row[t] > best_v && std::find(info.eog_tokens.begin(), info.eog_tokens.end(), t) == info.eog_tokens.end()) {
-                    best_v = row[t];
-                    best = t;
-                }
-            }
-        }
-        out.push_back(best);
-        const bool eog = !ignore_eos_[seq] &&
-                         std::find(info.eog_tokens.begin(), info.eog_tokens.end(), best) != info.eog_tokens.end();
-        // as upstream: no draft is accepted past an end-of-generation token
-        if (i == draft.size() || draft[i] != best || eog) break;
-    }
-    return out;
-}
-
-void StepRunner::clear_slot(int32_t seq) {
-    SpecSession & s = *session_;
-    s.clear_target_kv(seq, -1, -1);
-    if (s.draft_context()) {
-        s.clear_draft_kv(seq, -1, -1);
-    }
-    samplers_[seq].reset();
-}
+StepRunner::StepRunner(std::shared_ptr<SpecSession> session)
+    : session_(std::move(session)),
+      samplers_(session_->config().n_seq),
+      unsettled_(session_->config().n_seq) {}
 
 StepResult StepRunner::run(const StepPlan & plan) {
+    const int64_t t_start = now_us();
+    State st(plan, samplers_.size());
     try {
-        return run_unchecked(plan);
+        settle(st);
+        boundary(st);
+        select_work(st);
+        draft(st);
+        decode(st);
     } catch (...) {
-        // whatever failed, leave every sequence quiescent so the next step can run
-        for (int32_t seq = 0; seq < static_cast<int32_t>(session_->config().n_seq); ++seq) {
-            if (session_->pending(seq)) session_->accept(seq, 0);
+        // a proposal nobody will settle must not block the next step
+        for (int32_t seq = 0; seq < static_cast<int32_t>(unsettled_.size()); ++seq) {
+            if (!unsettled_[seq] && session_->pending(seq)) session_->accept(seq, 0);
         }
         throw;
     }
+    st.result.t_total_us = now_us() - t_start;
+    return std::move(st.result);
 }
 
-StepResult StepRunner::run_unchecked(const StepPlan & plan) {
-    const int64_t t_start = now_us();
+void StepRunner::fail_seq(State & st, int32_t seq, const std::exception & e) {
+    st.result.errors.push_back(to_step_error(seq, e));
+    st.failed[seq] = true;
+}
+
+void StepRunner::clear_slot(int32_t seq) {
+    session_->check_seq(seq);
+    if (session_->pending(seq)) session_->accept(seq, 0);
+    unsettled_[seq].reset();
+    session_->clear_sequence(seq);
+    samplers_[seq].reset();
+}
+
+// --- settle: the previous step's verifications, as Python decided ------------------------
+void StepRunner::settle(State & st) {
     SpecSession & s = *session_;
-    Context & target = *s.target();
-    const Model & model = *target.model();
-    const int32_t n_seq = static_cast<int32_t>(s.config().n_seq);
-    StepResult result;
-    std::vector<bool> failed(n_seq, false);
-    auto fail_seq = [&](int32_t seq, const std::exception & e) {
-        result.errors.push_back(to_step_error(seq, e));
-        failed[seq] = true;
-    };
-    auto valid_seq = [&](int32_t seq) {
-        if (seq < 0 || seq >= n_seq) fail_bad_seq(seq, n_seq);
-    };
+    const int32_t n_seq = static_cast<int32_t>(unsettled_.size());
+    std::vector<int32_t> keep(n_seq, -1);
+    for (const StepSettle & d : st.plan.settles) {
+        s.check_seq(d.seq);
+        try {
+            if (!unsettled_[d.seq]) fail(ErrorKind::InvalidArgument, "no verification to settle on this sequence");
+            if (d.n_accepted < 0 || d.n_accepted > unsettled_[d.seq]->n_accepted) {
+                fail(ErrorKind::InvalidArgument, "settle keeps " + std::to_string(d.n_accepted) + " drafts of " +
+                                                     std::to_string(unsettled_[d.seq]->n_accepted) + " accepted");
+            }
+            keep[d.seq] = d.n_accepted;
+        } catch (const std::exception & e) {
+            fail_seq(st, d.seq, e);
+        }
+    }
+    std::vector<std::pair<int32_t, int32_t>> begins;  // (sequence, prompt length)
+    for (int32_t seq = 0; seq < n_seq; ++seq) {
+        if (!unsettled_[seq]) continue;
+        const Unsettled u = *unsettled_[seq];
+        unsettled_[seq].reset();
+        const int32_t n = keep[seq] >= 0 ? keep[seq] : u.n_accepted;
+        try {
+            const std::optional<int32_t> proposed = s.pending(seq);
+            if (proposed) s.accept(seq, n);
+            const int32_t n_past = u.pos_last + 1 + n;
+            if (proposed && n < *proposed) {  // rejected drafts, or accepted ones after a stop
+                s.clear_target_kv(seq, n_past, -1);
+                if (s.draft_context()) s.clear_draft_kv(seq, n_past, -1);
+            }
+            if (u.begin) begins.emplace_back(seq, n_past);
+        } catch (const std::exception & e) {
+            clear_slot(seq);
+            fail_seq(st, seq, e);
+        }
+    }
+    // every proposal is settled: drafters may begin on the prompts that ended last step
+    for (const auto & [seq, n_past] : begins) {
+        try {
+            std::vector<llama_token> prompt = s.history(seq);
+            prompt.resize(std::min<size_t>(prompt.size(), static_cast<size_t>(n_past)));
+            s.begin(seq, prompt);
+        } catch (const std::exception & e) {
+            clear_slot(seq);
+            fail_seq(st, seq, e);
+        }
+    }
+}
 
-    // --- boundary work: every sequence is quiescent here -----------------------------
+// --- boundary work: every sequence is quiescent ------------------------------------------
+void StepRunner::boundary(State & st) {
+    SpecSession & s = *session_;
+    const Model & model = *s.target()->model();
     s.require_quiescent();
-    for (int32_t seq : plan.captures) {
+    for (int32_t seq : st.plan.captures) {
+        s.check_seq(seq);
+        if (st.failed[seq]) continue;
         try {
-            valid_seq(seq);
-            StepCapture c;
-            c.seq = seq;
-            c.spec = s.speculative_state(seq);
-            c.target = target.state_seq_get(seq, 0);
-            if (s.draft_context()) c.draft = s.draft_context()->state_seq_get(seq, 0);
-            result.captures.push_back(std::move(c));
+            st.result.captures.push_back({seq, s.capture_sequence(seq)});
         } catch (const std::exception & e) {
-            result.errors.push_back(to_step_error(seq, e));
+            fail_seq(st, seq, e);
         }
     }
-    for (int32_t seq : plan.clears) {
-        valid_seq(seq);
-        clear_slot(seq);
-    }
-    for (const StepRestore & r : plan.restores) {
-        valid_seq(r.seq);
+    for (int32_t seq : st.plan.clears) clear_slot(seq);
+    for (const StepRestore & r : st.plan.restores) {
+        clear_slot(r.seq);
         try {
-            clear_slot(r.seq);
-            target.state_seq_set(r.target, r.seq, 0);
-            if (s.draft_context()) s.draft_context()->state_seq_set(r.draft, r.seq, 0);
-            s.restore_speculative_state(r.seq, r.spec);
+            s.restore_sequence(r.seq, r.state);
         } catch (const std::exception & e) {
-            clear_slot(r.seq);
-            fail_seq(r.seq, e);
+            fail_seq(st, r.seq, e);
         }
     }
-    for (const StepConfigure & c : plan.configures) {
-        valid_seq(c.seq);
-        if (failed[c.seq]) continue;
+    for (const StepConfigure & c : st.plan.configures) {
+        s.check_seq(c.seq);
+        if (st.failed[c.seq]) continue;
         try {
-            common_sampler_ptr smpl = make_sampler(model, c.params);
-            for (int32_t t : c.replay_prompt) common_sampler_accept(smpl.get(), t, false);
-            for (int32_t t : c.replay_generated) common_sampler_accept(smpl.get(), t, true);
-            samplers_[c.seq] = std::move(smpl);
-            plain_greedy_[c.seq] = is_plain_greedy(c.params);
-            ignore_eos_[c.seq] = c.params.ignore_eos;
+            samplers_[c.seq].emplace(model, c.params);
+            samplers_[c.seq]->replay(c.replay_prompt, c.replay_generated);
         } catch (const std::exception & e) {
-            fail_seq(c.seq, e);
+            samplers_[c.seq].reset();
+            fail_seq(st, c.seq, e);
         }
     }
+}
 
-    // --- validate the work, then ONE draft call for every drafting sequence ----------
-    const uint32_t n_batch = target.params().n_batch;
-    std::vector<const StepWork *> work;
-    for (const StepWork & w : plan.work) {
-        valid_seq(w.seq);
-        if (failed[w.seq]) continue;
+// --- the work items that can run, in the order llama.cpp batches best -------------------
+void StepRunner::select_work(State & st) {
+    SpecSession & s = *session_;
+    const Model & model = *s.target()->model();
+    const uint32_t n_batch = s.target()->params().n_batch;
+    for (const StepWork & w : st.plan.work) {
+        s.check_seq(w.seq);
+        if (st.failed[w.seq]) continue;
         try {
             if (w.tokens.empty()) fail(ErrorKind::InvalidArgument, "a work item needs at least one token");
             model.check_tokens(w.tokens, "step");
@@ -219,161 +170,136 @@ StepResult StepRunner::run_unchecked(const StepPlan & plan) {
             if (w.tokens.size() + std::max(w.n_draft, 0) > n_batch) {
                 fail(ErrorKind::InvalidArgument, "a work item exceeds n_batch");
             }
-            work.push_back(&w);
+            st.work.push_back(&w);
         } catch (const std::exception & e) {
-            fail_seq(w.seq, e);
+            fail_seq(st, w.seq, e);
         }
     }
     // llama.cpp splits a multi-stream batch into one micro-batch per run of ascending
     // sequence ids: out-of-order sequences cost a full forward pass each (3x slower at 4)
-    std::stable_sort(work.begin(), work.end(),
+    std::stable_sort(st.work.begin(), st.work.end(),
                      [](const StepWork * a, const StepWork * b) { return a->seq < b->seq; });
+}
+
+// --- ONE draft call for every drafting sequence ------------------------------------------
+void StepRunner::draft(State & st) {
+    SpecSession & s = *session_;
     std::vector<DraftRequest> requests;
-    for (auto it = work.begin(); it != work.end();) {
+    for (auto it = st.work.begin(); it != st.work.end();) {
         const StepWork * w = *it;
         if (w->sample && w->n_draft > 0) {
-            DraftRequest r{w->seq, w->pos0 + static_cast<int32_t>(w->tokens.size()) - 1, w->tokens.back(), w->n_draft};
+            DraftRequest r{w->seq, w->pos0, w->tokens.back(), w->n_draft};
             try {
                 s.check_draft_request(r);  // one bad request must not fail the others' draft call
             } catch (const std::exception & e) {
-                fail_seq(w->seq, e);
-                it = work.erase(it);
+                fail_seq(st, w->seq, e);
+                it = st.work.erase(it);
                 continue;
             }
             requests.push_back(r);
         }
         ++it;
     }
-    std::vector<std::vector<llama_token>> drafts(n_seq);
-    if (!requests.empty()) {
-        const int64_t t0 = now_us();
-        try {
-            std::vector<std::vector<llama_token>> got = s.draft_many(requests);
-            for (size_t i = 0; i < requests.size(); ++i) drafts[requests[i].seq_id] = std::move(got[i]);
-        } catch (const std::exception & e) {
-            // drafts are optional: the step goes on without them (nothing is pending)
-            result.draft_error = e.what();
-        }
-        result.t_draft_us += now_us() - t0;
-        result.n_draft_calls = 1;
+    if (requests.empty()) return;
+    const int64_t t0 = now_us();
+    try {
+        std::vector<std::vector<llama_token>> got = s.draft_many(requests);
+        for (size_t i = 0; i < requests.size(); ++i) st.drafts[requests[i].seq_id] = std::move(got[i]);
+    } catch (const std::exception & e) {
+        // drafts are optional: the step goes on without them (nothing is pending)
+        st.result.draft_error = e.what();
     }
+    st.result.t_draft_us += now_us() - t0;
+    st.result.n_draft_calls = 1;
+}
 
-    // --- ONE target batch (split by n_batch only when it must be) --------------------
-    struct Span {
-        const StepWork * w;
-        int32_t start;  // batch index of the first token
-    };
-    auto append = [&](BatchData & batch, std::vector<Span> & spans, const StepWork * w) {
-        const auto & d = drafts[w->seq];
-        spans.push_back({w, static_cast<int32_t>(batch.size())});
-        for (size_t i = 0; i < w->tokens.size(); ++i) {
-            batch.tokens.push_back(w->tokens[i]);
-            batch.pos.push_back(w->pos0 + static_cast<int32_t>(i));
-            batch.seq.push_back(w->seq);
-            batch.logits.push_back(w->sample && i + 1 == w->tokens.size());
-        }
-        for (size_t i = 0; i < d.size(); ++i) {
-            batch.tokens.push_back(d[i]);
-            batch.pos.push_back(w->pos0 + static_cast<int32_t>(w->tokens.size() + i));
-            batch.seq.push_back(w->seq);
-            batch.logits.push_back(true);
-        }
-    };
-    std::vector<std::pair<int32_t, int32_t>> prompts_done;  // (seq, n_past) of finished prefills
-    // decode one batch and verify each of its sequences; the error when the decode failed
-    // (then nothing was verified)
-    auto decode_and_verify = [&](const BatchData & batch, const std::vector<Span> & spans) -> std::optional<Error> {
-        const int64_t t0 = now_us();
-        ++result.n_decode_calls;
-        try {
-            s.decode_target(batch);
-            s.process(batch);
-        } catch (const std::exception & e) {
-            result.t_decode_us += now_us() - t0;
-            const auto * err = dynamic_cast<const Error *>(&e);
-            return err ? *err : Error(ErrorKind::Decode, e.what());
-        }
-        result.t_decode_us += now_us() - t0;
-        result.n_batch_tokens += static_cast<int32_t>(batch.size());
-
-        // verify each sequence of this batch with its own sampler
-        const int64_t t1 = now_us();
-        for (const Span & sp : spans) {
-            const StepWork & w = *sp.w;
-            const auto & d = drafts[w.seq];
-            StepOutput out;
-            out.seq = w.seq;
-            const int32_t n_tok = static_cast<int32_t>(w.tokens.size());
-            int32_t n_acc = 0;
-            if (w.sample) {
-                std::vector<int> idxs(d.size() + 1);
-                for (size_t i = 0; i < idxs.size(); ++i) idxs[i] = sp.start + n_tok - 1 + static_cast<int>(i);
-                out.tokens = verify(w.seq, idxs, d);
-                n_acc = static_cast<int32_t>(out.tokens.size()) - 1;
-                if (!d.empty()) s.accept(w.seq, n_acc);
-                for (int32_t t : out.tokens) out.pieces.push_back(model.token_to_piece(t, false));
-            }
-            out.drafted = static_cast<int32_t>(d.size());
-            out.accepted = n_acc;
-            out.n_past = w.pos0 + n_tok + n_acc;
-            if (!d.empty() && n_acc < static_cast<int32_t>(d.size())) {
-                s.clear_target_kv(w.seq, out.n_past, -1);
-                if (s.draft_context()) s.clear_draft_kv(w.seq, out.n_past, -1);
-            }
-            if (w.begin) prompts_done.emplace_back(w.seq, out.n_past);
-            result.outputs.push_back(std::move(out));
-        }
-        result.t_verify_us += now_us() - t1;
-        return std::nullopt;
-    };
-    auto fail_span = [&](const Span & sp, const Error & why) {
-        if (s.pending(sp.w->seq)) s.accept(sp.w->seq, 0);
-        clear_slot(sp.w->seq);
-        fail_seq(sp.w->seq, why);
+// --- ONE target batch (split by n_batch only when it must be), then verification --------
+void StepRunner::decode(State & st) {
+    SpecSession & s = *session_;
+    const uint32_t n_batch = s.target()->params().n_batch;
+    auto rows = [&](const StepWork * w) { return w->tokens.size() + st.drafts[w->seq].size(); };
+    auto fail_item = [&](const StepWork * w, const Error & why) {
+        clear_slot(w->seq);
+        fail_seq(st, w->seq, why);
     };
     size_t next = 0;
-    while (next < work.size()) {
-        BatchData batch;
-        std::vector<Span> spans;
-        while (next < work.size()) {
-            const size_t n = work[next]->tokens.size() + drafts[work[next]->seq].size();
-            if (!spans.empty() && batch.size() + n > n_batch) break;
-            append(batch, spans, work[next++]);
+    while (next < st.work.size()) {
+        std::vector<const StepWork *> items;
+        size_t n_rows = 0;
+        while (next < st.work.size() && (items.empty() || n_rows + rows(st.work[next]) <= n_batch)) {
+            n_rows += rows(st.work[next]);
+            items.push_back(st.work[next++]);
         }
-        const std::optional<Error> failed_batch = decode_and_verify(batch, spans);
-        if (!failed_batch) continue;
-        if (spans.size() == 1) {
-            fail_span(spans[0], *failed_batch);
+        if (decode_and_verify(st, items)) continue;
+        if (items.size() == 1) {
+            fail_item(items[0], *st.decode_error);
             continue;
         }
         // one sequence's tokens can fail the whole batch (llama.cpp rejects the batch, or
         // the cache has no room for it): undo what the failed call may have written, then
         // decode each sequence alone so that only the guilty one fails
-        for (const Span & sp : spans) {
-            s.clear_target_kv(sp.w->seq, sp.w->pos0, -1);
-            if (s.draft_context()) s.clear_draft_kv(sp.w->seq, sp.w->pos0, -1);
+        for (const StepWork * w : items) {
+            s.clear_target_kv(w->seq, w->pos0, -1);
+            if (s.draft_context()) s.clear_draft_kv(w->seq, w->pos0, -1);
         }
-        ++result.n_isolated_failures;
-        for (const Span & sp : spans) {
-            BatchData alone;
-            std::vector<Span> one;
-            append(alone, one, sp.w);
-            if (const std::optional<Error> failed = decode_and_verify(alone, one)) fail_span(one[0], *failed);
+        ++st.result.n_isolated_failures;
+        for (const StepWork * w : items) {
+            if (!decode_and_verify(st, {w})) fail_item(w, *st.decode_error);
         }
     }
-    // a prompt is complete: start the drafter's generation (every proposal is settled now)
-    for (const auto & [seq, n_past] : prompts_done) {
-        try {
-            std::vector<llama_token> prompt = s.history(seq);
-            prompt.resize(std::min<size_t>(prompt.size(), static_cast<size_t>(n_past)));
-            s.begin(seq, prompt);
-        } catch (const std::exception & e) {
-            clear_slot(seq);
-            fail_seq(seq, e);
+}
+
+bool StepRunner::decode_and_verify(State & st, const std::vector<const StepWork *> & items) {
+    SpecSession & s = *session_;
+    Context & target = *s.target();
+    const Model & model = *target.model();
+    BatchData batch;
+    std::vector<int32_t> first_row;  // batch index of each item's first token
+    for (const StepWork * w : items) {
+        first_row.push_back(static_cast<int32_t>(batch.size()));
+        const auto & d = st.drafts[w->seq];
+        for (size_t i = 0; i < w->tokens.size() + d.size(); ++i) {
+            const bool is_draft = i >= w->tokens.size();
+            batch.tokens.push_back(is_draft ? d[i - w->tokens.size()] : w->tokens[i]);
+            batch.pos.push_back(w->pos0 + static_cast<int32_t>(i));
+            batch.seq.push_back(w->seq);
+            batch.logits.push_back(w->sample && i + 1 >= w->tokens.size());
         }
     }
-    result.t_total_us = now_us() - t_start;
-    return result;
+    const int64_t t0 = now_us();
+    ++st.result.n_decode_calls;
+    try {
+        s.decode_target(batch);
+        s.process(batch);
+    } catch (const std::exception & e) {
+        st.result.t_decode_us += now_us() - t0;
+        const auto * err = dynamic_cast<const Error *>(&e);
+        st.decode_error = err ? *err : Error(ErrorKind::Decode, e.what());
+        return false;
+    }
+    st.result.t_decode_us += now_us() - t0;
+    st.result.n_batch_tokens += static_cast<int32_t>(batch.size());
+
+    const int64_t t1 = now_us();
+    for (size_t k = 0; k < items.size(); ++k) {
+        const StepWork & w = *items[k];
+        if (!w.sample) continue;  // a prompt chunk with more to come
+        const auto & d = st.drafts[w.seq];
+        const int32_t n_tok = static_cast<int32_t>(w.tokens.size());
+        std::vector<int> verify_rows(d.size() + 1);
+        for (size_t i = 0; i < verify_rows.size(); ++i) verify_rows[i] = first_row[k] + n_tok - 1 + static_cast<int>(i);
+        StepOutput out;
+        out.seq = w.seq;
+        out.tokens = samplers_[w.seq]->verify(target.get(), verify_rows, d);
+        for (int32_t t : out.tokens) out.pieces.push_back(model.token_to_piece(t, false));
+        out.drafted = static_cast<int32_t>(d.size());
+        out.accepted = static_cast<int32_t>(out.tokens.size()) - 1;
+        out.pos = w.pos0 + n_tok;
+        unsettled_[w.seq] = Unsettled{w.pos0 + n_tok - 1, out.accepted, w.begin};
+        st.result.outputs.push_back(std::move(out));
+    }
+    st.result.t_verify_us += now_us() - t1;
+    return true;
 }
 
 }  // namespace engine

@@ -1,38 +1,28 @@
 // The engine step: one native call per scheduler step. Python plans (plain data), this
-// executes on the native thread:
-//   boundary work (captures, clears, restores, sampler setup) while every sequence is
-//   quiescent, then ONE batched draft call for every decoding sequence, ONE target batch
-//   with every sequence's [tokens..., drafts...] (split by n_batch only when it must be),
-//   verification with each sequence's sampler, accept, and KV rollback of rejected drafts.
+// executes on the native thread, in named phases:
+//
+//   settle    the previous step's verifications, as Python decided from their tokens: each
+//             sequence accepts the drafts it keeps and drops the KV rows after them (a stop
+//             inside accepted drafts keeps exactly the tokens its caller saw)
+//   boundary  every sequence is quiescent now: drafters begin on finished prompts, then
+//             captures, clears, restores and sampler configuration
+//   draft     ONE batched draft call for every decoding sequence
+//   decode    ONE target batch with every sequence's [tokens..., drafts...] (split by
+//             n_batch only when it must be), then verification with each sequence's sampler
+//
+// Verified drafts stay pending until the next step's settle phase: Python sees the tokens
+// first and decides how many of them the sequence keeps.
 #pragma once
 
+#include "sampler.h"
 #include "spec_session.h"
 
-#include "sampling.h"
-
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 namespace engine {
-
-struct SamplerParams {
-    float temperature = 0.0f;  // 0 = greedy
-    int32_t top_k = 0;         // 0 = whole vocabulary
-    float top_p = 1.0f;
-    float min_p = 0.0f;
-    uint32_t seed = 0;
-    int32_t penalty_last_n = 64;
-    float repetition_penalty = 1.0f;
-    float presence_penalty = 0.0f;
-    float frequency_penalty = 0.0f;
-    bool ignore_eos = false;
-    std::string grammar;      // GBNF
-    std::string json_schema;  // converted to GBNF by llama.cpp's common library
-};
-
-// Build a sampler (throws InvalidArgument for a malformed grammar or schema).
-common_sampler_ptr make_sampler(const Model & model, const SamplerParams & params);
 
 struct StepWork {
     int32_t seq = 0;
@@ -45,7 +35,7 @@ struct StepWork {
 
 struct StepRestore {
     int32_t seq = 0;
-    std::vector<uint8_t> target, draft, spec;
+    SequenceState state;
 };
 
 struct StepConfigure {
@@ -55,9 +45,15 @@ struct StepConfigure {
     std::vector<int32_t> replay_generated;  // accepted as generated (penalties + grammar)
 };
 
+struct StepSettle {
+    int32_t seq = 0;
+    int32_t n_accepted = 0;  // drafts the sequence keeps, <= what verification accepted
+};
+
 struct StepPlan {
-    std::vector<int32_t> captures;  // taken first, at the quiescent boundary
-    std::vector<int32_t> clears;    // KV (target + draft), history and sampler of a slot
+    std::vector<StepSettle> settles;  // sequences not named keep every verified token
+    std::vector<int32_t> captures;    // taken at the quiescent boundary
+    std::vector<int32_t> clears;      // KV (target + draft), history and sampler of a slot
     std::vector<StepRestore> restores;
     std::vector<StepConfigure> configures;
     std::vector<StepWork> work;
@@ -65,16 +61,16 @@ struct StepPlan {
 
 struct StepOutput {
     int32_t seq = 0;
-    std::vector<int32_t> tokens;      // emitted (sampled) tokens, in order
+    std::vector<int32_t> tokens;      // verified tokens: accepted drafts, then the target's own
     std::vector<std::string> pieces;  // their bytes
     int32_t drafted = 0;
-    int32_t accepted = 0;
-    int32_t n_past = 0;               // tokens of the sequence in the KV cache afterwards
+    int32_t accepted = 0;             // drafts verification accepted (tokens.size() - 1)
+    int32_t pos = 0;                  // position of the first token of `tokens`
 };
 
 struct StepCapture {
     int32_t seq = 0;
-    std::vector<uint8_t> target, draft, spec;
+    SequenceState state;
 };
 
 struct StepError {
@@ -84,14 +80,14 @@ struct StepError {
 };
 
 struct StepResult {
-    std::vector<StepOutput> outputs;  // one per work item that ran
+    std::vector<StepOutput> outputs;  // one per sampling work item that ran
     std::vector<StepCapture> captures;
     std::vector<StepError> errors;
     int32_t n_decode_calls = 0;
     int32_t n_draft_calls = 0;
     int32_t n_batch_tokens = 0;
-    int32_t n_isolated_failures = 0;
-    std::string draft_error;  // the draft call failed: this step verified no drafts  // batches that failed and were retried one sequence at a time
+    int32_t n_isolated_failures = 0;  // batches that failed and were retried one sequence at a time
+    std::string draft_error;          // the draft call failed: this step verified no drafts
     int64_t t_draft_us = 0, t_decode_us = 0, t_verify_us = 0, t_total_us = 0;
 };
 
@@ -99,20 +95,28 @@ class StepRunner {
 public:
     explicit StepRunner(std::shared_ptr<SpecSession> session);
     StepResult run(const StepPlan & plan);
-    const std::shared_ptr<SpecSession> & session() const { return session_; }
 
 private:
-    StepResult run_unchecked(const StepPlan & plan);
+    struct State;  // one step's working data
+    // A verification whose outcome Python has not seen yet.
+    struct Unsettled {
+        int32_t pos_last = 0;  // position of the last input token (the first verified row)
+        int32_t n_accepted = 0;
+        bool begin = false;    // the prompt ended here: start the drafter's generation
+    };
+
+    void settle(State & st);
+    void boundary(State & st);
+    void select_work(State & st);
+    void draft(State & st);
+    void decode(State & st);
+    bool decode_and_verify(State & st, const std::vector<const StepWork *> & items);
+    void fail_seq(State & st, int32_t seq, const std::exception & e);
     void clear_slot(int32_t seq);
-    std::vector<llama_token> verify(int32_t seq, const std::vector<int> & idxs,
-                                    const std::vector<llama_token> & draft);
 
     std::shared_ptr<SpecSession> session_;
-    std::vector<common_sampler_ptr> samplers_;
-    // plain greedy (temperature 0, no penalties, no grammar): verified by argmax over the
-    // logits, skipping the sampler chain's full-vocabulary candidate array
-    std::vector<bool> plain_greedy_;
-    std::vector<bool> ignore_eos_;
+    std::vector<std::optional<SequenceSampler>> samplers_;
+    std::vector<std::optional<Unsettled>> unsettled_;
 };
 
 }  // namespace engine

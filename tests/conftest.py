@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +13,19 @@ from engine.session import Model, Runtime
 from tests.models.make_models import build_all
 
 MODELS_DIR = Path(__file__).parent / "models" / ".generated"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pycollect_makeitem(collector: pytest.Collector, name: str, obj: object) -> None:
+    """Every ``async def`` test runs on anyio's plugin (marked before it collects them)."""
+    if inspect.iscoroutinefunction(obj) and name.startswith("test"):
+        pytest.mark.anyio(obj)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    """asyncio, unless a module overrides this fixture (the engine's run on trio too)."""
+    return "asyncio"
 
 
 @pytest.fixture(scope="session")

@@ -58,17 +58,10 @@ class SamplingParams:
             "frequency_penalty",
         ):
             v = getattr(self, name)
-            _check(
-                isinstance(v, (int, float)) and math.isfinite(v), f"{name} must be a finite number, got {v!r}"
-            )
-        _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
-        _check(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be >= 0, got {self.top_k!r}")
-        _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
-        _check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
-        _check(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        _check(
-            isinstance(self.penalty_last_n, int) and self.penalty_last_n >= -1, "penalty_last_n must be >= -1"
-        )
+            _check(isinstance(v, (int, float)) and not isinstance(v, bool), f"{name} must be a number, got {v!r}")
+        for name in ("top_k", "penalty_last_n"):
+            v = getattr(self, name)
+            _check(isinstance(v, int) and -(2**31) <= v < 2**31, f"{name} must be a 32-bit integer, got {v!r}")
         _check(
             self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**32),
             f"seed must be in [0, 2**32), got {self.seed!r}",
@@ -79,11 +72,12 @@ class SamplingParams:
         ids = tuple(self.stop_token_ids)
         _check(all(isinstance(t, int) and t >= 0 for t in ids), "stop_token_ids must be non-negative ints")
         object.__setattr__(self, "stop_token_ids", ids)
-        _check(not (self.grammar and self.json_schema), "give a grammar or a json_schema, not both")
         _check(
             self.grammar is None or (isinstance(self.grammar, str) and self.grammar.strip() != ""),
             "grammar must be a non-empty GBNF string",
         )
+        # the sampler's value rules live once, natively (InvalidConfigError naming the value)
+        _nb_spec.validate_sampler_params(self.native(0))
 
     def native(self, seed: int) -> _nb_spec.SamplerParams:
         import json
@@ -188,14 +182,7 @@ class EngineConfig:
             spec.type == "none" or self.n_batch >= spec.n_draft_max + 1,
             f"n_batch {self.n_batch} must hold n_draft_max + 1 = {spec.n_draft_max + 1} tokens",
         )
-        _check(
-            not (spec.needs_draft_model and self.draft_model is None),
-            f"speculative type {spec.type} needs a draft_model",
-        )
-        _check(
-            spec.needs_draft_model or self.draft_model is None,
-            f"speculative type {spec.type} takes no draft_model",
-        )
+        spec.check_draft_model(self.draft_model is not None)
 
     @property
     def unified_kv(self) -> bool:

@@ -66,18 +66,23 @@ class WaitQueue:
 
 @dataclass
 class WorkItem:
+    """One sequence's part of the target batch."""
+
     request: Request
-    tokens: list[int]
-    pos0: int
-    sample: bool
-    n_draft: int
-    begin: bool
+    tokens: list[int]  #: a prompt chunk, or [last sampled token]
+    pos0: int  #: position of tokens[0]
+    sample: bool  #: sample after the last token (a decode entry or a prompt's last chunk)
+    n_draft: int  #: drafts it may verify this step
+    begin: bool  #: the prompt's last chunk: the drafter begins its generation
 
 
 @dataclass
 class Plan:
-    """One step: boundary work first (captures, clears, restores, samplers), then work."""
+    """One step: boundary work first (settles, captures, clears, restores, samplers), then
+    the work. Plain data; :meth:`native` hands it to the extension."""
 
+    #: (slot, drafts kept) for sequences whose last verification ended inside its drafts
+    settles: list[tuple[int, int]] = field(default_factory=list)
     captures: list[Request] = field(default_factory=list)
     clears: list[int] = field(default_factory=list)
     admitted: list[Request] = field(default_factory=list)
@@ -85,10 +90,17 @@ class Plan:
 
     @property
     def empty(self) -> bool:
-        return not (self.captures or self.clears or self.admitted or self.work)
+        return not (self.settles or self.captures or self.clears or self.admitted or self.work)
+
+    def requests(self) -> list[Request]:
+        """Every request this step touches."""
+        touched = {id(r): r for r in (*self.captures, *self.admitted, *(w.request for w in self.work))}
+        return list(touched.values())
 
     def native(self) -> _nb_spec.StepPlan:
         p = _nb_spec.StepPlan()
+        for slot, n_accepted in self.settles:
+            p.settle(slot, n_accepted)
         for r in self.captures:
             assert r.slot is not None
             p.capture(r.slot)
@@ -97,8 +109,7 @@ class Plan:
         for r in self.admitted:
             assert r.slot is not None
             if r.resume is not None:
-                target, draft, spec, _meta = r.resume
-                p.restore(r.slot, target, draft, spec)
+                p.restore(r.slot, r.resume.target, r.resume.draft, r.resume.spec)
             p.configure(
                 r.slot,
                 r.params.native(r.seed),

@@ -1,38 +1,39 @@
-"""A request's state, its text assembly (UTF-8 and stop strings), outputs and metrics."""
+"""A request: its lifecycle, its sequence, what its caller receives, and its metrics."""
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
+from anyio.abc import ObjectReceiveStream, ObjectSendStream
+
+from .errors import UnknownRequestError
+from .output import FinishReason, TextAssembler
 from .params import SamplingParams
 
 __all__ = [
+    "CheckpointWaiter",
     "Delta",
     "FinishReason",
     "Request",
     "RequestMetrics",
     "RequestOutput",
     "RequestState",
-    "TextAssembler",
+    "Resume",
 ]
 
 
-class FinishReason(enum.StrEnum):
-    STOP = "stop"  #: end-of-generation token, stop string or stop token id
-    LENGTH = "length"  #: max_tokens or the end of the sequence's context
-    ABORT = "abort"  #: aborted, cancelled, or the engine closed
-    ERROR = "error"  #: the request failed (the error is raised to its caller)
-
-
 class RequestState(enum.Enum):
-    WAITING = "waiting"
-    PREFILL = "prefill"
-    DECODE = "decode"
-    FINISHED = "finished"
+    """WAITING → PREFILL → DECODE → (FINISHING) → FINISHED; any state may go to FINISHED."""
+
+    WAITING = "waiting"  #: queued for a sequence slot
+    PREFILL = "prefill"  #: holds a slot; its prompt is being read
+    DECODE = "decode"  #: generating
+    FINISHING = "finishing"  #: generation ended; its final state is captured at the next boundary
+    FINISHED = "finished"  #: handed to the caller (result or error)
 
 
 @dataclass
@@ -105,57 +106,37 @@ class Delta:
     output: RequestOutput | None = None
 
 
-class TextAssembler:
-    """Turns token bytes into text: holds back incomplete UTF-8 characters and any tail
-    that could still grow into a stop string; cuts the text at the first stop string."""
+@dataclass
+class Resume:
+    """A checkpoint to continue from: the native sections and the sequence it holds."""
 
-    def __init__(self, stop: tuple[str, ...]) -> None:
-        self._stop = stop
-        self._hold = max((len(s) for s in stop), default=1) - 1
-        self._bytes = b""
-        self.text = ""  # complete text so far (stop string excluded once found)
-        self._emitted = 0  # characters of `text` already handed out
-        self.stopped = False
+    target: bytes
+    draft: bytes
+    spec: bytes
+    history: list[int]  #: tokens in its KV cache
+    last: int  #: its last sampled token (not in the KV cache)
+    n_prompt: int  #: how many of ``history`` count as prompt
 
-    def feed(self, piece: bytes) -> None:
-        if self.stopped:
-            return
-        self._bytes += piece
-        text = self._decode_complete()
-        if not text:
-            return
-        start = max(0, len(self.text) - self._hold)
-        self.text += text
-        for s in self._stop:
-            i = self.text.find(s, start)
-            if i >= 0:
-                self.text = self.text[:i]
-                self.stopped = True
-                start = i
-        return
 
-    def _decode_complete(self) -> str:
-        b = self._bytes
-        for cut in range(len(b), max(len(b) - 4, -1), -1):
-            try:
-                text = b[:cut].decode("utf-8")
-            except UnicodeDecodeError:
-                continue
-            self._bytes = b[cut:]
-            return text
-        # not UTF-8 even allowing for a partial character: replace, do not stall
-        self._bytes = b""
-        return b.decode("utf-8", "replace")
+class CheckpointWaiter:
+    """One ``Engine.checkpoint`` call waiting for the next step boundary."""
 
-    def take(self, final: bool = False) -> str:
-        """Text ready to hand out; at ``final`` everything that is left."""
-        if final and not self.stopped and self._bytes:
-            self.text += self._bytes.decode("utf-8", "replace")
-            self._bytes = b""
-        end = len(self.text) if (final or self.stopped) else max(self._emitted, len(self.text) - self._hold)
-        out = self.text[self._emitted : end]
-        self._emitted = end
-        return out
+    def __init__(self) -> None:
+        self._done = anyio.Event()
+        self._data: bytes | None = None
+        self._error: BaseException | None = None
+
+    def resolve(self, data: bytes | None, error: BaseException | None = None) -> None:
+        if not self._done.is_set():
+            self._data, self._error = data, error
+            self._done.set()
+
+    async def wait(self) -> bytes:
+        await self._done.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._data is not None
+        return self._data
 
 
 @dataclass
@@ -168,50 +149,97 @@ class Request:
     seed: int
     priority: int = 0
     arrival_index: int = 0
-    # resume_from: (target, draft, spec) bytes and the checkpoint's meta
-    resume: tuple[bytes, bytes, bytes, dict[str, Any]] | None = None
+    resume: Resume | None = None
     want_checkpoint: bool = False
     state: RequestState = RequestState.WAITING
     slot: int | None = None
-    # tokens of this sequence in the KV cache, in order (prompt, then accepted output)
+    # the sequence: tokens in the KV cache in order (prompt, then kept output), how many of
+    # them count as prompt (sampler replay), what is left to read, the last sampled token
     history: list[int] = field(default_factory=list)
-    n_prompt_history: int = 0  # how many of `history` count as prompt (for sampler replay)
+    n_prompt_history: int = 0
     to_prefill: list[int] = field(default_factory=list)
-    n_past: int = 0  # tokens in the KV cache
-    last: int | None = None  # sampled, not yet in the KV cache
+    last: int | None = None
+    # what the caller receives
     output_ids: list[int] = field(default_factory=list)
-    assembler: TextAssembler = field(init=False)
+    text: TextAssembler = field(init=False)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     finish_reason: str | None = None
     error: BaseException | None = None
-    checkpoint_waiters: list[asyncio.Future[bytes]] = field(default_factory=list)
     final_checkpoint: bytes | None = None
-    final_pending: tuple[str, list[int]] | None = None  # finished, waiting for its final capture
-    stream: asyncio.Queue[Delta | None] | None = None
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-    aborted: bool = False
+    checkpoint_waiters: list[CheckpointWaiter] = field(default_factory=list)
+    #: FINISHING: the last step's delta, handed out with the result once captured
+    tail: Delta | None = None
+    send: ObjectSendStream[Delta] | None = None
+    receive: ObjectReceiveStream[Delta] | None = None
+    done: anyio.Event = field(default_factory=anyio.Event)
 
     def __post_init__(self) -> None:
-        self.assembler = TextAssembler(self.params.stop)
+        self.text = TextAssembler(self.params.stop)
+
+    @property
+    def n_past(self) -> int:
+        """Tokens of the sequence in the KV cache."""
+        return len(self.history)
 
     @property
     def finished(self) -> bool:
         return self.state is RequestState.FINISHED
 
+    @property
+    def holds_sequence(self) -> bool:
+        """Generating or about to: its slot must not be taken away."""
+        return self.state in (RequestState.PREFILL, RequestState.DECODE, RequestState.FINISHING)
+
+    def open_stream(self, buffer: int) -> None:
+        """Deltas go through a bounded buffer: a consumer that stops reading pauses this
+        request (the scheduler checks :meth:`stream_has_room`) and no other."""
+        self.send, self.receive = anyio.create_memory_object_stream[Delta](buffer)
+
+    def stream_has_room(self) -> bool:
+        """Room for one more step's delta plus the final one."""
+        if self.send is None:
+            return True
+        stats = self.send.statistics()
+        return stats.current_buffer_used <= stats.max_buffer_size - 2
+
+    def push(self, delta: Delta) -> None:
+        if self.send is not None and (delta.text or delta.token_ids or delta.finish_reason):
+            try:
+                self.send.send_nowait(delta)
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                pass  # the consumer is gone; its request is being aborted
+
+    def mark_first_token(self) -> None:
+        if self.metrics.first_token is None:
+            self.metrics.first_token = time.perf_counter()
+
     def output(self) -> RequestOutput:
         return RequestOutput(
             self.request_id,
-            self.assembler.text,
+            self.text.text,
             list(self.output_ids),
             self.finish_reason or FinishReason.ABORT.value,
             self.metrics,
             self.final_checkpoint,
         )
 
-    def push(self, delta: Delta) -> None:
-        if self.stream is not None and (delta.text or delta.token_ids or delta.finish_reason):
-            self.stream.put_nowait(delta)
-
-    def mark_first_token(self) -> None:
-        if self.metrics.first_token is None:
-            self.metrics.first_token = time.perf_counter()
+    def finish(self, reason: str, error: BaseException | None = None) -> None:
+        """Hand the result (or ``error``) to the caller; the only way a request ends."""
+        if self.finished:
+            return
+        tail = self.tail or Delta("", [])
+        self.state = RequestState.FINISHED
+        self.finish_reason = reason
+        self.error = error
+        self.tail = None
+        self.metrics.finish_reason = reason
+        self.metrics.finished = time.perf_counter()
+        for waiter in self.checkpoint_waiters:
+            waiter.resolve(None, UnknownRequestError(f"request {self.request_id!r} ended before its checkpoint"))
+        self.checkpoint_waiters.clear()
+        text = tail.text + self.text.take(final=True)
+        if self.send is not None:
+            if error is None:
+                self.push(Delta(text, tail.token_ids, reason, self.output()))
+            self.send.close()
+        self.done.set()

@@ -56,8 +56,13 @@ def pack(checkpoint: SequenceCheckpoint) -> bytes:
     return body + hashlib.blake2b(body, digest_size=_DIGEST).digest()
 
 
-def unpack(data: bytes, expected_fingerprint: dict[str, Any] | None = None) -> SequenceCheckpoint:
+def unpack(
+    data: bytes, expected_fingerprint: dict[str, Any] | None = None, *, with_draft: bool | None = None
+) -> SequenceCheckpoint:
     """Parse and validate checkpoint bytes.
+
+    ``with_draft``: the sections a sequence of this session has (``target``, ``spec``, and
+    ``draft`` when True); None accepts any sections.
 
     :raises StateError: not a checkpoint, another format version, corrupted (digest), or
         made for other models / another configuration than ``expected_fingerprint``.
@@ -101,4 +106,6 @@ def unpack(data: bytes, expected_fingerprint: dict[str, Any] | None = None) -> S
             if fingerprint.get(k) != expected_fingerprint.get(k)
         )
         raise _bad(f"made for another model or configuration (differs in: {', '.join(diff)})")
+    if with_draft is not None and set(sections) != {"target", "spec"} | ({"draft"} if with_draft else set()):
+        raise _bad("unexpected sections")
     return SequenceCheckpoint(fingerprint, sections, meta)

@@ -15,20 +15,8 @@ __all__ = [
     "canonical_spec_type",
 ]
 
-#: upstream speculative type names, and the short names we also accept
-SPEC_TYPES: tuple[str, ...] = (
-    "none",
-    "draft-simple",
-    "draft-eagle3",
-    "draft-dflash",
-    "draft-dspark",
-    "draft-mtp",
-    "ngram-simple",
-    "ngram-map-k",
-    "ngram-map-k4v",
-    "ngram-mod",
-    "ngram-cache",
-)
+#: upstream speculative type names (from the native core), and the short names we also accept
+SPEC_TYPES: tuple[str, ...] = tuple(_nb_spec.SPEC_TYPES)
 _ALIASES = {
     "draft": "draft-simple",
     "eagle3": "draft-eagle3",
@@ -156,7 +144,32 @@ class SpeculativeConfig:
     @property
     def needs_draft_model(self) -> bool:
         """A separate draft model file is needed (draft-simple, EAGLE-3, DFlash, DSpark)."""
-        return self.type in ("draft-simple", "draft-eagle3", "draft-dflash", "draft-dspark")
+        return bool(_nb_spec.spec_type_needs_draft_model(self.type))
+
+    def check_draft_model(self, given: bool) -> None:
+        """:raises InvalidConfigError: a draft model is missing, or given to a type that takes none."""
+        if self.needs_draft_model and not given:
+            raise InvalidConfigError(f"speculative type {self.type} needs a draft model", reason="no draft model")
+        if given and not self.needs_draft_model:
+            raise InvalidConfigError(
+                f"speculative type {self.type} takes no draft model", reason="unexpected draft model"
+            )
+
+    def digest(self) -> int:
+        """What state taken under this config is valid for: a digest of every field."""
+        return int(_nb_spec.spec_config_digest(self.native()))
+
+    @staticmethod
+    def describe_types() -> str:
+        """The speculative types and what each needs, for help texts."""
+        short = {v: k for k, v in _ALIASES.items()}
+        needs = _nb_spec.spec_type_needs_draft_model
+        alone = [short.get(t, t) for t in SPEC_TYPES if t != "draft-mtp" and not needs(t)]
+        drafted = [short.get(t, t) for t in SPEC_TYPES if needs(t)]
+        return (
+            f"{', '.join(alone)} (no draft model); {', '.join(drafted)} (need a draft model); "
+            "mtp (models with NextN layers)"
+        )
 
     @property
     def is_mtp(self) -> bool:

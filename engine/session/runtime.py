@@ -1,21 +1,30 @@
 """The runtime: one native thread that makes every llama.cpp call of an engine.
 
 Work goes to the thread through a queue and returns at once as a native ``Ticket``.
-Synchronous callers wait on the ticket with the GIL released; asyncio callers ``await
-runtime.wait(ticket)``, which is woken through the runtime's eventfd, so the event loop is
-never blocked by native work.
+Synchronous callers wait on the ticket with the GIL released; async callers (asyncio or
+trio, through anyio) ``await runtime.wait(ticket)``, woken through the runtime's eventfd,
+so the event loop is never blocked by native work.
 """
 
 from __future__ import annotations
 
-import asyncio
-import threading
 from typing import Any
+
+import anyio
 
 from .. import _nb_spec
 from .errors import ClosedError
 
 __all__ = ["Runtime"]
+
+
+class _Waiter:
+    """One task awaiting a ticket."""
+
+    def __init__(self, ticket: Any) -> None:
+        self.ticket = ticket
+        self.done = anyio.Event()
+        self.nudge = anyio.Event()  # set when this task may take over reading the eventfd
 
 
 class Runtime:
@@ -27,10 +36,8 @@ class Runtime:
 
     def __init__(self) -> None:
         self._native = _nb_spec.Runtime()
-        self._lock = threading.Lock()
-        # ticket id -> (loop, future, ticket)
-        self._waiters: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[Any], Any]] = {}
-        self._loops: set[asyncio.AbstractEventLoop] = set()
+        self._waiters: dict[int, _Waiter] = {}
+        self._reader: _Waiter | None = None  # the task reading the eventfd for everyone
 
     @property
     def native(self) -> _nb_spec.Runtime:
@@ -61,59 +68,47 @@ class Runtime:
     async def wait(self, ticket: Any) -> Any:
         """Await a native ticket; returns its result or raises its error.
 
+        Any number of tasks of one event loop may wait at once: one of them reads the
+        eventfd and wakes the others whose tickets completed. (A runtime's async side
+        serves one event loop at a time; synchronous calls work from any thread.)
+
         :raises SessionError: whatever the native job raised.
         """
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[Any] = loop.create_future()
-        with self._lock:
-            self._waiters[ticket.id] = (loop, future, ticket)
-            if loop not in self._loops:
-                loop.add_reader(self._native.wake_fd, self._on_wake)
-                self._loops.add(loop)
-        if ticket.done():
-            self._resolve(ticket.id)
+        w = _Waiter(ticket)
+        self._waiters[ticket.id] = w
         try:
-            return await future
+            if ticket.done():
+                w.done.set()
+            while not w.done.is_set():
+                if self._reader is None:
+                    await self._read_for_everyone(w)
+                else:
+                    await w.nudge.wait()
+                    w.nudge = anyio.Event()
         finally:
-            with self._lock:
-                self._waiters.pop(ticket.id, None)
-                if loop in self._loops and not any(w[0] is loop for w in self._waiters.values()):
-                    self._loops.discard(loop)
-                    if not loop.is_closed():
-                        loop.remove_reader(self._native.wake_fd)
+            del self._waiters[ticket.id]
+            if self._reader is None:
+                self._hand_over()
+        return ticket.result()  # finished: does not block
 
-    def _on_wake(self) -> None:
-        for ticket_id in self._native.take_completed():
-            self._resolve(ticket_id)
-
-    def _resolve(self, ticket_id: int) -> None:
-        with self._lock:
-            waiter = self._waiters.get(ticket_id)
-        if waiter is None:
-            return
-        loop, future, ticket = waiter
-
-        def settle() -> None:
-            if future.done():
-                return
-            try:
-                future.set_result(ticket.result())  # already finished: does not block
-            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
-                future.set_exception(exc)
-
+    async def _read_for_everyone(self, w: _Waiter) -> None:
+        self._reader = w
         try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is loop:
-            settle()
-        elif not loop.is_closed():
-            loop.call_soon_threadsafe(settle)
+            await anyio.wait_readable(self._native.wake_fd)
+            for ticket_id in self._native.take_completed():
+                other = self._waiters.get(ticket_id)
+                if other is not None:
+                    other.done.set()
+                    other.nudge.set()
+        finally:
+            self._reader = None
 
-    def check_open(self) -> None:
-        """:raises ClosedError: when the runtime was closed."""
-        if self._native.closed:
-            raise ClosedError("the runtime is closed")
+    def _hand_over(self) -> None:
+        """Let a task that still waits read the eventfd next."""
+        for other in self._waiters.values():
+            if not other.done.is_set():
+                other.nudge.set()
+                return
 
     def close(self) -> None:
         """Finish queued work, free every native object, join the thread. Idempotent."""

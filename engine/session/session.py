@@ -88,14 +88,7 @@ class SpeculativeSession:
                 f"context n_seq {context.n_seq} < speculative n_seq {config.n_seq}",
                 reason="n_seq mismatch",
             )
-        if config.needs_draft_model and draft_model is None:
-            raise InvalidConfigError(
-                f"speculative type {config.type} needs a draft model", reason="no draft model"
-            )
-        if not config.needs_draft_model and draft_model is not None:
-            raise InvalidConfigError(
-                f"speculative type {config.type} takes no draft model", reason="unexpected draft model"
-            )
+        config.check_draft_model(draft_model is not None)
         n_draft = 0 if config.type == "none" else config.n_draft_max
         per_seq = min(context.n_batch, 1 + n_draft)
         hybrid = target_model.info.is_recurrent or target_model.info.is_hybrid
@@ -158,13 +151,15 @@ class SpeculativeSession:
         return self._draft
 
     def need_embd(self) -> bool:
-        """Whether the backend needs post-norm embeddings on the target (none does upstream)."""
-        return self.native.need_embd()
+        """Whether the drafter turned on post-norm embeddings on the target context
+        (``llama_set_embeddings``; no upstream drafter does)."""
+        return bool(self.native.need_embd())
 
     def need_embd_pre_norm(self) -> bool:
-        """Whether the backend harvests hidden states from the target (EAGLE-3, DFlash, MTP);
-        configured automatically at construction."""
-        return self.native.need_embd_pre_norm()
+        """Whether the drafter turned on pre-norm hidden-state extraction on the target
+        (layer inputs, the NextN hidden state: EAGLE-3, DFlash, MTP); read from the target
+        context after the drafter configured it."""
+        return bool(self.native.need_embd_pre_norm())
 
     # --- the loop ----------------------------------------------------------------------
     def decode_target(self, batch: Batch) -> None:
@@ -238,10 +233,13 @@ class SpeculativeSession:
 
     # --- state -------------------------------------------------------------------------
     def speculative_state(self, seq_id: int) -> bytes:
-        """Versioned per-sequence drafter state (plus the token history the n-gram drafters
-        need). Capture target and draft states at the same quiescent boundary.
+        """Versioned per-sequence drafter state (and the token history the drafters read).
+        Capture target and draft states at the same quiescent boundary.
 
         :raises ProposalPendingError: a proposal is pending somewhere.
+        :raises NotQuiescentError: upstream is in the middle of a draft call.
+        :raises StateError: this drafter keeps no per-sequence state (as the seed: capture
+            the whole sequence with :meth:`capture_sequence` instead).
         """
         return self.native.speculative_state(seq_id)
 
@@ -290,11 +288,10 @@ class SpeculativeSession:
     # --- whole-sequence checkpoints ----------------------------------------------------
     def fingerprint(self) -> dict[str, Any]:
         """What a sequence checkpoint of this session is valid for."""
-        c = self._config
         return {
             "target_model": self._target.model.fingerprint,
             "draft_model": self._draft.model.fingerprint if self._draft else None,
-            "spec": [c.type, c.n_draft_max, c.n_min, c.p_min, c.ngram_size_n, c.ngram_size_m],
+            "spec": self._config.digest(),
             "n_ctx_seq": self._target.n_ctx // self._target.n_seq,
         }
 
@@ -303,10 +300,7 @@ class SpeculativeSession:
 
         :raises ProposalPendingError: not at a quiescent point.
         """
-        spec = self.speculative_state(seq_id)  # checks seq id and quiescence first
-        sections = {"target": self._target.state_seq_get(seq_id), "spec": spec}
-        if self._draft is not None:
-            sections["draft"] = self._draft.state_seq_get(seq_id)
+        sections = self.native.capture_sequence(seq_id)
         return pack(SequenceCheckpoint(self.fingerprint(), sections, dict(meta or {})))
 
     def restore_sequence(self, seq_id: int, data: bytes) -> dict[str, Any]:
@@ -315,23 +309,7 @@ class SpeculativeSession:
         Everything is validated before anything changes: a corrupted or foreign checkpoint
         raises :class:`StateError` and leaves the session as it was.
         """
-        if not self.is_quiescent():
-            self.speculative_state(seq_id)  # raises ProposalPendingError
-        ck = unpack(data, self.fingerprint())
-        expected = {"target", "spec"} | ({"draft"} if self._draft is not None else set())
-        if set(ck.sections) != expected:
-            raise StateError("invalid checkpoint: unexpected sections", reason="sections")
-        self.clear_target_kv_cache_seq(seq_id)
-        if self._draft is not None:
-            self.clear_draft_kv_cache_seq(seq_id)
-        try:
-            self._target.state_seq_set(ck.sections["target"], seq_id)
-            if self._draft is not None:
-                self._draft.state_seq_set(ck.sections["draft"], seq_id)
-            self.restore_speculative_state(seq_id, ck.sections["spec"])
-        except Exception:
-            self.clear_target_kv_cache_seq(seq_id)
-            if self._draft is not None:
-                self.clear_draft_kv_cache_seq(seq_id)
-            raise
+        ck = unpack(data, self.fingerprint(), with_draft=self._draft is not None)
+        s = ck.sections
+        self.native.restore_sequence(seq_id, s["target"], s.get("draft", b""), s["spec"])
         return ck.meta

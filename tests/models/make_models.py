@@ -16,7 +16,8 @@ Layout conventions: shapes in comments are ggml ``ne`` order, numpy arrays are t
 (``ne = {E, V}`` is a numpy array of shape ``(V, E)``).  Layer matrices are F32.  In the
 big-vocab models ``token_embd`` is F16 (``get_rows`` converts it exactly to F32, so it does
 not affect numeric stability) while ``output`` stays F32, which keeps every target under
-~65 MB.  See /work/shared/notes/tiny-gguf-facts.md for the facts these models rely on.
+~65 MB.  What llama.cpp requires of each kind of file (metadata keys, tensor shapes) is
+noted at its writer below.
 
 "Walk" models: the greedy next token after token t is sigma(t) for a fixed permutation
 sigma of WALK_N ordinary word tokens (" the"-like tokens: 'Ġ' + lowercase letters, never
@@ -397,8 +398,9 @@ def _write_llama(
     walk: Walk | None = None,
     head_dtype=np.float32,
     logit_std: float = LOGIT_STD,
+    seed_name: str | None = None,
 ) -> None:
-    rng = _rng(name)
+    rng = _rng(seed_name or name)
     if walk is None:
         tok = _random_embd(rng, voc.n_vocab, n_embd)
         out = _random_head(rng, voc, n_embd, head_dtype, logit_std)
@@ -666,6 +668,11 @@ def _builders() -> dict[str, Callable[[pathlib.Path], None]]:
         "llama": lambda p: _write_llama(p, "llama", L()),
         # softer logits (std 8): at temperature 1 a handful of tokens share the mass
         "llama-soft": lambda p: _write_llama(p, "llama-soft", L(), logit_std=8.0),
+        # llama-soft's weights with twice its logits: a draft whose greedy token is the
+        # target's, whose distribution is sharper (the target's at temperature 0.5)
+        "llama-soft-sharp": lambda p: _write_llama(
+            p, "llama-soft-sharp", L(), logit_std=16.0, seed_name="llama-soft"
+        ),
         "llama-eagle3": lambda p: _write_eagle3(p, "llama-eagle3", L()),
         "llama-dflash": lambda p: _write_dflash(p, "llama-dflash", L()),
         "qwen35-mtp": lambda p: _write_qwen35(p, "qwen35-mtp", Q()),

@@ -1,0 +1,292 @@
+"""Scheduling: requests over ``n_seq`` sequence slots, and every state transition.
+
+Two queues (waiting, and the slot table of requests holding a sequence) and two methods,
+as in nano-vLLM: :meth:`Scheduler.schedule` plans the next step (boundary work, admission,
+the target batch) and :meth:`Scheduler.update` applies its result (outputs through the pure
+output path, captures, per-sequence errors). A request ends in one place,
+:meth:`Scheduler.finish`, which hands its result to the caller.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..logs import get_logger
+from ..session import InvalidArgumentError, SessionError
+from ..session import errors as session_errors
+from .checkpoints import pack_request
+from .errors import QueueFullError, RequestError
+from .output import FinishReason, StopRules, process_output
+from .params import EngineConfig
+from .planner import Plan, SlotTable, WaitQueue, WorkItem, plan_step
+from .policy import DraftPolicy
+from .request import Delta, Request, RequestState
+
+__all__ = ["EngineMetrics", "Scheduler"]
+
+log = get_logger("engine.scheduler")
+
+
+@dataclass
+class EngineMetrics:
+    """Engine-wide counters."""
+
+    steps: int = 0
+    decode_calls: int = 0
+    draft_calls: int = 0
+    max_decode_calls_per_step: int = 0  #: 1 unless a batch exceeded n_batch or failed
+    max_draft_calls_per_step: int = 0  #: always <= 1: one draft call for every sequence
+    batch_tokens: int = 0
+    isolated_failures: int = 0  #: batches that failed and were decoded one sequence at a time
+    draft_failures: int = 0  #: steps whose draft call failed (they verified no drafts)
+    step_faults: int = 0  #: steps whose planning, native call or output handling raised
+    occupancy_sum: float = 0.0  #: sum over steps of active sequences / n_seq
+    generated_tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    requests_finished: int = 0
+    queue_depth: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def batch_occupancy(self) -> float:
+        return self.occupancy_sum / self.steps if self.steps else 0.0
+
+    @property
+    def throughput(self) -> float:
+        """Generated tokens per second since the engine started."""
+        return self.generated_tokens / max(time.perf_counter() - self.started, 1e-9)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+class Scheduler:
+    """The requests of one engine and the slots they hold."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        eog_tokens: Sequence[int],
+        fingerprint: dict[str, Any],
+        metrics: EngineMetrics,
+    ) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.fingerprint = fingerprint
+        self.requests: dict[str, Request] = {}
+        self.slots = SlotTable(config.n_seq)
+        self.waiting = WaitQueue()
+        self.policy = DraftPolicy(adaptive=config.draft_policy == "adaptive", unified_kv=config.unified_kv)
+        self._eog = tuple(eog_tokens)
+        self._settles: dict[int, int] = {}  # slot -> drafts kept, settled at the next boundary
+        self._to_clear: list[int] = []  # slots given back, cleared at the next boundary
+
+    # --- requests ----------------------------------------------------------------------
+    def check_admissible(self, request_id: str) -> None:
+        """:raises QueueFullError, InvalidArgumentError: before any work is spent on it."""
+        if len(self.waiting) >= self.config.max_queue:
+            raise QueueFullError(f"the wait queue is full ({self.config.max_queue} requests)", reason="queue full")
+        if request_id in self.requests:
+            raise InvalidArgumentError(f"request id {request_id!r} is in use", reason="duplicate id")
+
+    def add(self, r: Request) -> None:
+        self.check_admissible(r.request_id)
+        r.metrics.arrival = time.perf_counter()
+        self.requests[r.request_id] = r
+        self.waiting.push(r)
+        self.metrics.queue_depth = len(self.waiting)
+        log.debug("request.queued", request_id=r.request_id, prompt_tokens=len(r.prompt_tokens))
+
+    def finish(self, r: Request, reason: str, error: BaseException | None = None) -> None:
+        """End a request in any state and hand its result (or error) to the caller; its slot
+        is cleared at the next boundary."""
+        if r.finished:
+            return
+        if r.state is RequestState.WAITING:
+            self.waiting.remove(r)
+            self.metrics.queue_depth = len(self.waiting)
+        if r.slot is not None:
+            self.slots.release(r.slot)
+            self._settles.pop(r.slot, None)
+            self._to_clear.append(r.slot)
+            r.slot = None
+        r.finish(reason, error)
+        self.requests.pop(r.request_id, None)
+        self.metrics.requests_finished += 1
+        log.info("request.finished", request_id=r.request_id, **r.metrics.as_dict())
+
+    def fail(self, r: Request, exc: BaseException) -> None:
+        """End ``r`` with a :class:`RequestError` caused by ``exc``."""
+        err = RequestError(f"request {r.request_id!r} failed: {exc}")
+        err.__cause__ = exc
+        self.finish(r, FinishReason.ERROR.value, err)
+
+    def end_all(self, error: BaseException | None = None) -> None:
+        """Every request ends: aborted, or with ``error`` (closing, or the engine died)."""
+        for r in list(self.requests.values()):
+            if error is None:
+                self.finish(r, FinishReason.ABORT.value)
+            else:
+                self.finish(r, FinishReason.ERROR.value, error)
+
+    @property
+    def idle(self) -> bool:
+        return not self.requests and not self._to_clear and not self._settles
+
+    # --- planning ----------------------------------------------------------------------
+    def schedule(self) -> Plan:
+        """The next step: boundary work for the slots, admissions, then the target batch."""
+        plan = Plan()
+        for r in self.slots.owner.values():
+            if r.state is RequestState.FINISHING or (r.checkpoint_waiters and r.last is not None):
+                plan.captures.append(r)
+        while len(self.waiting) and self.slots.n_free:
+            r = self.waiting.pop()
+            r.slot = self.slots.allocate(r)
+            r.state = RequestState.PREFILL
+            plan.admitted.append(r)
+            log.debug("request.admitted", request_id=r.request_id, slot=r.slot)
+        self.metrics.queue_depth = len(self.waiting)
+        # a stream whose consumer fell behind waits; the other streams go on
+        running = [
+            r
+            for r in self.slots.owner.values()
+            if r.state in (RequestState.PREFILL, RequestState.DECODE) and r.stream_has_room()
+        ]
+        running.sort(key=lambda r: r.arrival_index)
+        spec = self.config.spec
+        plan.work = plan_step(
+            running,
+            n_batch=self.config.n_batch,
+            n_draft_max=spec.n_draft_max,
+            n_ctx=self.config.n_ctx,
+            prefill_reserve=self.config.prefill_reserve,
+            speculative=spec.type != "none",
+            policy=self.policy,
+            step=self.metrics.steps,
+        )
+        # taken last: a planning fault leaves them for the next plan
+        plan.settles = sorted(self._settles.items())
+        self._settles.clear()
+        plan.clears, self._to_clear = self._to_clear, []
+        return plan
+
+    def redo_boundary(self, plan: Plan) -> None:
+        """A step failed: the slots it was to clear may still hold their sequences."""
+        self._to_clear.extend(s for s in plan.clears if s not in self._to_clear)
+
+    # --- applying a step's result ------------------------------------------------------
+    def update(self, plan: Plan, result: Any) -> None:
+        """Apply one native step's result: captures, errors, then each request's outputs.
+        A fault while applying one request's part fails that request alone."""
+        self._count(plan, result)
+        for cap in result.captures:
+            r = self.slots.owner.get(cap.seq)
+            if r is not None:
+                self._isolated(r, self._deliver_checkpoint, r, cap.sections)
+        for err in result.errors:
+            r = self.slots.owner.get(err.seq)
+            if r is not None:
+                cls = getattr(session_errors, err.kind, SessionError)
+                self.fail(r, cls(err.message))
+        outputs = {out.seq: out for out in result.outputs}
+        for w in plan.work:
+            r = w.request
+            if r.slot is None or r.state not in (RequestState.PREFILL, RequestState.DECODE):
+                continue  # ended while the step ran (aborted, failed): its tokens are dropped
+            self._isolated(r, self._apply, w, outputs.get(r.slot))
+        if self.metrics.steps % 64 == 0:
+            m = self.metrics
+            log.debug(
+                "engine.step",
+                steps=m.steps,
+                occupancy=round(m.batch_occupancy, 3),
+                queue=m.queue_depth,
+                throughput=round(m.throughput, 1),
+            )
+
+    def fail_requests(self, requests: Iterable[Request], exc: BaseException) -> None:
+        for r in list(requests):
+            self.fail(r, exc)
+
+    def _isolated(self, r: Request, fn: Any, *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception as exc:  # noqa: BLE001 - a fault in one request's part fails it alone
+            log.error("request.fault", request_id=r.request_id, error=repr(exc))
+            self.metrics.step_faults += 1
+            self.fail(r, exc)
+
+    def _apply(self, w: WorkItem, out: Any) -> None:
+        r = w.request
+        r.history.extend(w.tokens)
+        del r.to_prefill[: len(w.tokens)]
+        if not w.sample:
+            return  # a prompt chunk with more to come
+        if out is None:
+            raise SessionError("the step returned no output for a sampling work item")
+        if r.state is RequestState.PREFILL:
+            r.state = RequestState.DECODE
+            if r.resume is None:
+                r.n_prompt_history = len(r.history)
+        outcome = process_output(r, out, StopRules.of(r.params, self._eog, self.config.n_ctx))
+        if outcome.keep < len(out.tokens):
+            assert r.slot is not None
+            self._settles[r.slot] = outcome.keep - 1  # a stop inside accepted drafts
+        kept_drafts = outcome.keep - 1
+        m = self.metrics
+        r.metrics.drafted += out.drafted
+        r.metrics.accepted += kept_drafts
+        r.metrics.decode_steps += 1
+        r.metrics.completion_tokens = len(r.output_ids)
+        r.mark_first_token()
+        m.drafted += out.drafted
+        m.accepted += kept_drafts
+        m.generated_tokens += len(outcome.token_ids)
+        if len(m.accepted_per_position) < kept_drafts:
+            m.accepted_per_position.extend([0] * (kept_drafts - len(m.accepted_per_position)))
+        for i in range(kept_drafts):
+            m.accepted_per_position[i] += 1
+        delta = Delta(outcome.text, outcome.token_ids, outcome.finish_reason)
+        if outcome.finish_reason is None:
+            r.push(delta)
+        elif r.want_checkpoint and outcome.finish_reason != FinishReason.ERROR.value:
+            r.state = RequestState.FINISHING  # the result waits for the final capture
+            r.tail = delta
+        else:
+            r.tail = delta
+            self.finish(r, outcome.finish_reason)
+
+    def _deliver_checkpoint(self, r: Request, sections: dict[str, bytes]) -> None:
+        data = pack_request(self.fingerprint, sections, r)
+        for waiter in r.checkpoint_waiters:
+            waiter.resolve(data)
+        r.checkpoint_waiters.clear()
+        if r.state is RequestState.FINISHING:
+            assert r.tail is not None and r.tail.finish_reason is not None
+            r.final_checkpoint = data
+            self.finish(r, r.tail.finish_reason)
+
+    def _count(self, plan: Plan, result: Any) -> None:
+        m = self.metrics
+        m.steps += 1
+        m.decode_calls += result.n_decode_calls
+        m.draft_calls += result.n_draft_calls
+        m.max_decode_calls_per_step = max(m.max_decode_calls_per_step, result.n_decode_calls)
+        m.max_draft_calls_per_step = max(m.max_draft_calls_per_step, result.n_draft_calls)
+        if result.n_decode_calls == 1:
+            self.policy.observe_step(result.n_batch_tokens, result.t_decode_us)
+        m.batch_tokens += result.n_batch_tokens
+        if result.draft_error:
+            m.draft_failures += 1
+            log.warning("engine.draft_failed", error=result.draft_error)
+        if result.n_isolated_failures:
+            m.isolated_failures += result.n_isolated_failures
+            log.warning("engine.batch_failed", batches=result.n_isolated_failures, failed=len(result.errors))
+        m.occupancy_sum += len({w.request.slot for w in plan.work}) / self.config.n_seq

@@ -1,0 +1,60 @@
+// Per-sequence sampling and draft verification. One set of rules for the sampling
+// parameters (validate_sampler_params), used by Python before a request is queued and by
+// the step before a sampler is built.
+#pragma once
+
+#include "model.h"
+
+#include "sampling.h"
+
+#include <string>
+#include <vector>
+
+namespace engine {
+
+struct SamplerParams {
+    float temperature = 0.0f;  // 0 = greedy
+    int32_t top_k = 0;         // 0 = whole vocabulary
+    float top_p = 1.0f;
+    float min_p = 0.0f;
+    uint32_t seed = 0;
+    int32_t penalty_last_n = 64;
+    float repetition_penalty = 1.0f;
+    float presence_penalty = 0.0f;
+    float frequency_penalty = 0.0f;
+    bool ignore_eos = false;
+    std::string grammar;      // GBNF
+    std::string json_schema;  // converted to GBNF by llama.cpp's common library
+};
+
+// InvalidConfig naming the first bad value. Grammars are checked when the sampler is built.
+void validate_sampler_params(const SamplerParams & params);
+
+// One sequence's sampler: llama.cpp's sampler chain, or plain argmax for greedy requests
+// without penalties or grammar (the chain's full-vocabulary candidate array costs ~5x more
+// on a 262k vocabulary and gives the same token).
+class SequenceSampler {
+public:
+    // InvalidConfig for bad values, InvalidArgument for a malformed grammar or JSON schema.
+    SequenceSampler(const Model & model, const SamplerParams & params);
+
+    // Tell the sampler about tokens already in the sequence (penalties, grammar state).
+    void replay(const std::vector<llama_token> & prompt, const std::vector<llama_token> & generated);
+
+    // Sample at each row of `rows` (the last input token, then each draft token) and keep
+    // drafts while they equal the sample: returns the samples, at least one. Every sample
+    // is a sample of the target distribution, so drafting never changes what is generated.
+    std::vector<llama_token> verify(llama_context * ctx, const std::vector<int> & rows,
+                                    const std::vector<llama_token> & draft);
+
+private:
+    llama_token argmax(const float * logits) const;
+
+    common_sampler_ptr chain_;
+    int32_t n_vocab_ = 0;
+    std::vector<llama_token> eog_;  // end-of-generation tokens, excluded under ignore_eos
+    bool plain_greedy_ = false;
+    bool ignore_eos_ = false;
+};
+
+}  // namespace engine
