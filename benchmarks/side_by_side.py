@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import structlog
 
 from engine import EngineConfig, SpeculativeConfig
 from engine.bench import BenchResult, load_prompts, machine_info, percentile, run_load
@@ -283,8 +282,9 @@ def _table(rows: list[dict[str, Any]]) -> list[str]:
     for r in rows:
         ours, srv, lcp, raw = r["ours"], r["server"], r.get("lcp"), r.get("raw")
         lcp_tps = lcp.tokens_per_s if lcp else None
+        spec = r["spec"] + (" †" if r["spec"] != "none" and ours.drafted == 0 else "")
         lines.append(
-            f"| {r['n']} | {r['spec']} | {ours.tokens_per_s:.1f} | {srv.tokens_per_s:.1f} | "
+            f"| {r['n']} | {spec} | {ours.tokens_per_s:.1f} | {srv.tokens_per_s:.1f} | "
             f"{_ratio(ours.tokens_per_s, srv.tokens_per_s)} | {raw:.1f} | "
             f"{_ratio(ours.tokens_per_s, raw)} | "
             f"{f'{lcp_tps:.1f}' if lcp_tps else '-'} | {_ratio(ours.tokens_per_s, lcp_tps)} | "
@@ -298,6 +298,11 @@ PROMPT_SET_TITLES = {
     "mixed": "Mixed prompts (`--prompts mixed`: questions, lists, code, stories)",
     "copy": "Copy-heavy prompts (`--prompts copy`: answers that repeat the prompt, where n-gram drafting pays)",
 }
+
+
+def portable(command: str, model: str) -> str:
+    """A command as committed: paths relative to the repository, the model by file name."""
+    return command.replace(model, Path(model).name).replace(str(ROOT) + "/", "")
 
 
 def report(sections: list[dict[str, Any]], meta: dict[str, Any]) -> str:
@@ -324,6 +329,11 @@ def report(sections: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"## {title}",
             "",
             *_table(sec["rows"]),
+            *(
+                ["", "† our engine drafted nothing in this row: its figures are speculation off."]
+                if any(r["spec"] != "none" and r["ours"].drafted == 0 for r in sec["rows"])
+                else []
+            ),
             "",
             "Correctness cross-check: with speculation off and one stream, our greedy tokens and "
             f"llama-server's agree on {sec['agreement_n1']:.0%} of requests (must be 100%), ours and "
@@ -427,7 +437,7 @@ async def main() -> int:
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "side_by_side.json"))
     ap.add_argument("--setup-llama-cpp-python", action="store_true", help="create its venv, then exit")
     args = ap.parse_args()
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
     if args.setup_llama_cpp_python:
         setup_llama_cpp_python()
         return 0
@@ -447,12 +457,12 @@ async def main() -> int:
     meta = {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine_info(),
-        "model": model,
+        "model": Path(model).name,
         "threads": args.threads,
         "requests": args.requests,
         "max_tokens": args.max_tokens,
         "command": "python benchmarks/side_by_side.py " + shlex.join(sys.argv[1:]),
-        "commands": [c for sec in sections for c in sec["commands"]],
+        "commands": [portable(c, model) for sec in sections for c in sec["commands"]],
     }
     Path(args.out).write_text(report(sections, meta))
     Path(args.json).write_text(

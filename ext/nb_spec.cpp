@@ -290,6 +290,13 @@ NB_MODULE(_nb_spec, m) {
     m.attr("STATE_SEQ_FLAGS_PARTIAL_ONLY") = LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY;
     m.attr("SPEC_TYPES") = nb::tuple(nb::cast(spec_types()));
     m.def("system_info", [] { return std::string(llama_print_system_info()); });
+    // every native error kind through the real translator, for the tests of the hierarchy
+    // (some kinds wrap upstream exceptions no input reaches: Begin, Accept, NotQuiescent)
+    m.def("_raise_error_kind", [](int kind) {
+        if (kind < 0 || kind > static_cast<int>(ErrorKind::Closed)) fail(ErrorKind::InvalidArgument, "no such error kind");
+        Error e(static_cast<ErrorKind>(kind), std::string("raised for a test: ") + error_kind_name(static_cast<ErrorKind>(kind)));
+        throw e;
+    }, "kind"_a);
 
     // --- runtime ------------------------------------------------------------------------
     nb::class_<PyTicket>(m, "Ticket", "A native job in flight.")

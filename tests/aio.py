@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Generic, TypeVar
 
@@ -28,21 +29,25 @@ class Task(Generic[T]):
     """A coroutine started in a task group (like ``asyncio.create_task``): its outcome is
     kept for :meth:`result`, never raised into the group; :meth:`cancel` cancels it."""
 
-    def __init__(self, tg: TaskGroup, fn: Callable[..., Awaitable[T]], *args: Any) -> None:
+    def __init__(self, tg: TaskGroup, fn: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> None:
         self._done = anyio.Event()
         self._scope = anyio.CancelScope()
         self._value: T | None = None
         self._error: BaseException | None = None
         self.cancelled = False
-        tg.start_soon(self._run, fn, args)
+        self.finished_at: float | None = None  #: time.perf_counter() when it ended
+        tg.start_soon(self._run, fn, args, kwargs)
 
-    async def _run(self, fn: Callable[..., Awaitable[T]], args: tuple[Any, ...]) -> None:
+    async def _run(
+        self, fn: Callable[..., Awaitable[T]], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
         with self._scope:
             try:
-                self._value = await fn(*args)
+                self._value = await fn(*args, **kwargs)
             except Exception as exc:  # noqa: BLE001 - kept for result()
                 self._error = exc
         self.cancelled = self._scope.cancelled_caught
+        self.finished_at = time.perf_counter()
         self._done.set()
 
     def cancel(self) -> None:

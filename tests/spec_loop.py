@@ -49,10 +49,11 @@ def greedy_plain_margins(
     pos = len(prompt)
     while True:
         row = ctx.logits[-1]
-        top2 = np.partition(row, -2)[-2:]
         tok = int(np.argmax(row))
+        # (not np.partition: walk heads give many equal logits, its slow case)
+        second = max(row[:tok].max(initial=-np.inf), row[tok + 1 :].max(initial=-np.inf))
         out.append(tok)
-        margins.append(float(top2[1] - top2[0]))
+        margins.append(float(row[tok] - second))
         if len(out) == n_new:
             return out, margins
         b = Batch()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Callable
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -32,6 +32,7 @@ pytestmark = pytest.mark.timeout(600)
 def anyio_backend(request: pytest.FixtureRequest) -> str:
     """The engine's tests run under asyncio and trio."""
     return str(request.param)
+
 
 GREEDY = SamplingParams(max_tokens=24)
 
@@ -79,7 +80,7 @@ PARITY = [
     ("draft", "walk-llama", "llama", "draft", {}),  # a random draft: mostly rejected
     ("draft-self", "walk-llama", "walk-llama", "draft", {}),  # always accepted
     ("eagle3", "walk-llama", "walk-llama-eagle3", "eagle3", {}),  # first token always right
-    ("dflash", "walk-llama", "walk-llama-dflash", "dflash", {}),
+    ("dflash", "walk-llama", "walk-llama-dflash-oracle", "dflash", {}),  # first token always right
     ("mtp", "walk-qwen35-mtp", None, "mtp", {}),  # always right
     ("ngram", "walk-llama-cycle6", None, "ngram-simple", {"ngram_size_n": 2, "ngram_size_m": 4}),
 ]
@@ -113,9 +114,11 @@ async def test_64_concurrent_greedy_requests_equal_solo_plain_decoding(
         m = engine.metrics
         assert m.max_decode_calls_per_step == 1  # every step verified all sequences in ONE decode
         assert m.max_draft_calls_per_step <= 1
-        if name in ("draft-self", "eagle3", "mtp", "ngram"):
-            assert m.accepted > 0, name
-        if name in ("draft", "dflash"):
+        if name in ("draft-self", "mtp", "ngram"):
+            assert m.accepted > 0.9 * m.drafted, (name, m.accepted, m.drafted)  # always right
+        if name in ("eagle3", "dflash"):  # the oracles: the first draft token, never a later one
+            assert len(m.accepted_per_position) == 1 and m.accepted > 0.25 * m.drafted, (name, m)
+        if name == "draft":
             assert m.drafted > m.accepted, name  # drafts were rejected and rolled back
         assert m.batch_occupancy > 0.5
 
@@ -162,7 +165,9 @@ async def test_checkpoint_and_resume(model_paths: dict[str, Path], models: Model
     prompt = models("walk-llama").tokenize("The quick brown fox")
     n_total = 40
     async with Engine(cfg) as engine, anyio.create_task_group() as tg:
-        others = [Task(tg, engine.generate, p, SamplingParams(max_tokens=n)) for p, n in mixed_requests(3, seed=11)]
+        others = [
+            Task(tg, engine.generate, p, SamplingParams(max_tokens=n)) for p, n in mixed_requests(3, seed=11)
+        ]
         ids: list[int] = []
         ckpt = b""
         async for delta in engine.stream(prompt, SamplingParams(max_tokens=n_total), request_id="r"):
@@ -355,3 +360,56 @@ async def test_context_end_finishes_with_length(model_paths: dict[str, Path]) ->
         assert out.finish_reason == "length" and 40 + len(out.token_ids) <= 64
         again = await engine.generate([1000] * 10, SamplingParams(max_tokens=5))
         assert again.metrics.completion_tokens == 5
+
+
+RESUME_SCRIPT = """
+import json, sys
+import anyio
+from engine import Engine, EngineConfig, SamplingParams, SpeculativeConfig
+
+async def main():
+    target, draft, path = sys.argv[1:4]
+    config = EngineConfig(model=target, draft_model=draft, speculative=SpeculativeConfig("eagle3", n_draft_max=3),
+                          n_seq=4, n_ctx=256, n_batch=256, threads=2)
+    async with Engine(config) as engine:
+        out = await engine.generate([5000, 5001], SamplingParams(max_tokens=12), resume_from=open(path, "rb").read())
+    print(json.dumps(out.token_ids))
+
+anyio.run(main)
+"""
+
+
+async def test_a_checkpoint_resumes_in_another_process(
+    model_paths: dict[str, Path], models: ModelCache, tmp_path: Path
+) -> None:
+    import subprocess
+    import sys
+
+    cfg = config(model_paths, "walk-llama", "walk-llama-eagle3", "eagle3", 4)
+    prompt = [1000, 2000, 3000]
+    async with Engine(cfg) as engine:
+        first = await engine.generate(prompt, SamplingParams(max_tokens=9), checkpoint=True)
+        assert first.checkpoint is not None
+        here = await engine.generate(
+            [5000, 5001], SamplingParams(max_tokens=12), resume_from=first.checkpoint
+        )
+    path = tmp_path / "turn1.ckpt"
+    path.write_bytes(first.checkpoint)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            RESUME_SCRIPT,
+            str(model_paths["walk-llama"]),
+            str(model_paths["walk-llama-eagle3"]),
+            str(path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert run.returncode == 0, run.stderr
+    there = json.loads(run.stdout)
+    assert there == here.token_ids
+    assert there == greedy_plain(models("walk-llama"), [*prompt, *first.token_ids, 5000, 5001], 12)

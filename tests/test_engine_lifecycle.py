@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
-import asyncio
 import random
 import threading
 import time
 from pathlib import Path
 
+import anyio
 import pytest
 
 from engine import Engine, EngineConfig, RequestError, SamplingParams, SpeculativeConfig
+from engine.scheduler.request import RequestState
 from engine.session import ClosedError, ContextConfig, SessionError, SpeculativeSession
+from tests.aio import Task, gather
 from tests.conftest import ModelCache
-from tests.test_engine import config
+from tests.test_engine import anyio_backend, config, wait_until  # noqa: F401 - both backends
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -23,27 +25,25 @@ def eagle_config(paths: dict[str, Path], **kw: object) -> EngineConfig:
 
 
 async def test_close_with_requests_in_flight(model_paths: dict[str, Path]) -> None:
-    engine = Engine(eagle_config(model_paths))
-    await engine.start()
     long = SamplingParams(max_tokens=400, ignore_eos=True)
-    tasks = [asyncio.create_task(engine.generate([1000 + i, 2000], long)) for i in range(50)]
-    streams_done = asyncio.Event()
 
-    async def consume() -> list[str | None]:
-        reasons = [d.finish_reason async for d in engine.stream([1000, 3000], long)]
-        streams_done.set()
-        return reasons
+    async def consume(engine: Engine) -> list[str | None]:
+        return [d.finish_reason async for d in engine.stream([1000, 3000], long)]
 
-    stream_task = asyncio.create_task(consume())
-    while engine.metrics.steps < 5:
-        await asyncio.sleep(0.005)
-    t0 = time.perf_counter()
-    await engine.close()
-    outs = await asyncio.wait_for(asyncio.gather(*tasks), timeout=1.0)
-    await asyncio.wait_for(streams_done.wait(), timeout=1.0)
-    assert time.perf_counter() - t0 < 1.0
+    async with anyio.create_task_group() as tg:
+        engine = Engine(eagle_config(model_paths))
+        await engine.start()
+        tasks = [Task(tg, engine.generate, [1000 + i, 2000], long) for i in range(50)]
+        stream = Task(tg, consume, engine)
+        await wait_until(lambda: engine.metrics.steps >= 5)
+        t0 = time.perf_counter()
+        await engine.close()
+        with anyio.fail_after(1.0):
+            outs = [await t.result() for t in tasks]
+            reasons = await stream.result()
+        assert time.perf_counter() - t0 < 1.0
     assert {o.finish_reason for o in outs} == {"abort"}
-    assert (await stream_task)[-1] == "abort"
+    assert reasons[-1] == "abort"
     await engine.close()  # twice is fine
     with pytest.raises(ClosedError):
         await engine.generate("hello", SamplingParams(max_tokens=4))
@@ -51,39 +51,72 @@ async def test_close_with_requests_in_flight(model_paths: dict[str, Path]) -> No
         assert (await again.generate([1000, 2000], SamplingParams(max_tokens=4))).finish_reason == "length"
 
 
-async def test_a_stalled_consumer_does_not_stall_the_others(model_paths: dict[str, Path]) -> None:
-    async with Engine(eagle_config(model_paths, stream_buffer=4)) as engine:
-        stalled = engine.stream([1000, 2000], SamplingParams(max_tokens=200, ignore_eos=True))
+async def test_a_stalled_consumer_pauses_only_its_request(model_paths: dict[str, Path]) -> None:
+    """A consumer that stops reading pauses its request with at most ``stream_buffer``
+    deltas waiting; the others go on; reading again resumes it."""
+    buffer = 4
+    async with Engine(eagle_config(model_paths, stream_buffer=buffer)) as engine:
+        stalled = engine.stream([1000, 2000], SamplingParams(max_tokens=200, ignore_eos=True), request_id="s")
         first = await stalled.__anext__()  # then stop reading
         assert first.token_ids
-        outs = await asyncio.wait_for(
-            asyncio.gather(
-                *(engine.generate([1100 + i, 2000], SamplingParams(max_tokens=60)) for i in range(6))
-            ),
-            timeout=60,
-        )
+        request = engine._scheduler.requests["s"] if engine._scheduler else None
+        assert request is not None and request.send is not None
+        waiting: list[int] = []
+
+        async def watch() -> None:
+            while True:
+                waiting.append(request.send.statistics().current_buffer_used)  # type: ignore[union-attr]
+                await anyio.sleep(0.001)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch)
+            with anyio.fail_after(60):
+                outs = await gather(
+                    *(engine.generate([1100 + i, 2000], SamplingParams(max_tokens=60)) for i in range(6))
+                )
+            tg.cancel_scope.cancel()
         assert all(o.metrics.completion_tokens == 60 for o in outs)
-        # the stalled request waited with a bounded buffer and resumes when read again
+        # paused: the buffer filled up and stayed bounded while six requests ran
+        assert max(waiting) <= buffer and waiting[-1] >= buffer - 1, waiting[-20:]
+        assert len(request.output_ids) < 60  # it did not run on with the others
+        # it resumes when read again
         rest = [d async for d in stalled]
         assert sum(len(d.token_ids) for d in rest) + len(first.token_ids) == 200
 
 
 async def test_a_failing_consumer_ends_only_its_stream(model_paths: dict[str, Path]) -> None:
-    async with Engine(eagle_config(model_paths)) as engine:
+    async with Engine(eagle_config(model_paths)) as engine, anyio.create_task_group() as tg:
 
         async def bad_consumer() -> None:
             async for _ in engine.stream([1000, 2000], SamplingParams(max_tokens=100)):
                 raise ValueError("the application failed")
 
-        good = asyncio.create_task(engine.generate([1200, 2000], SamplingParams(max_tokens=40)))
+        good = Task(tg, engine.generate, [1200, 2000], SamplingParams(max_tokens=40))
         with pytest.raises(ValueError):
             await bad_consumer()
-        assert (await good).metrics.completion_tokens == 40
-        for _ in range(100):
-            if engine.slots_in_use() == 0:
-                break
-            await asyncio.sleep(0.01)
-        assert engine.slots_in_use() == 0
+        assert (await good.result()).metrics.completion_tokens == 40
+        await wait_until(lambda: engine.slots_in_use() == 0)
+
+
+async def test_abort_by_id_ends_a_running_request(model_paths: dict[str, Path], models: ModelCache) -> None:
+    """``abort(id)`` of a running request: its caller gets ``abort`` with the tokens so far,
+    its slot and KV are freed, the others are unchanged."""
+    prompts = [[1000 + i, 2000] for i in range(3)]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    async with Engine(eagle_config(model_paths)) as engine, anyio.create_task_group() as tg:
+        solo = [(await engine.generate(p, params)).token_ids for p in prompts]
+        victim = Task(tg, engine.generate, [7000, 7001], SamplingParams(max_tokens=300), request_id="v")
+        others = [Task(tg, engine.generate, p, params) for p in prompts]
+        await wait_until(
+            lambda: "v" in engine._scheduler.requests and bool(engine._scheduler.requests["v"].output_ids)
+        )  # type: ignore[union-attr]
+        await engine.abort("v")
+        out = await victim.result()
+        assert out.finish_reason == "abort" and 0 < len(out.token_ids) < 300
+        assert [(await t.result()).token_ids for t in others] == solo
+        await engine.abort("v")  # finished: a no-op
+        await wait_until(lambda: engine.slots_in_use() == 0)
+        assert await engine.kv_positions() == [-1] * 4
 
 
 def test_session_misuse_from_many_threads(models: ModelCache) -> None:
@@ -157,20 +190,23 @@ async def test_a_failing_decode_fails_only_its_request(model_paths: dict[str, Pa
     async with Engine(cfg) as engine:
         solo = [(await engine.generate(p, params)).token_ids for p in prompts]
         victim_prompt = [7000, 7001, 7002]
-        schedule = engine._schedule
+        scheduler = engine._scheduler
+        assert scheduler is not None
+        schedule = scheduler.schedule
 
         def faulty_schedule():  # type: ignore[no-untyped-def]
             plan = schedule()
             for w in plan.work:
-                if w.request.prompt_tokens == victim_prompt and w.sample:
+                if w.request.prompt_tokens == victim_prompt and w.request.state is RequestState.DECODE:
                     w.pos0 += 3  # a gap in the sequence: llama_decode refuses the batch
             return plan
 
-        engine._schedule = faulty_schedule  # type: ignore[method-assign]
-        victim = asyncio.create_task(engine.generate(victim_prompt, params))
-        outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts[:3]))
-        with pytest.raises(RequestError) as info:
-            await victim
+        scheduler.schedule = faulty_schedule  # type: ignore[method-assign]
+        async with anyio.create_task_group() as tg:
+            victim = Task(tg, engine.generate, victim_prompt, params)
+            outs = await gather(*(engine.generate(p, params) for p in prompts[:3]))
+            with pytest.raises(RequestError) as info:
+                await victim.result()
         assert isinstance(info.value.__cause__, SessionError), info.value.__cause__
         if spec == "eagle3":  # the drafter refuses its draft request before anything runs
             assert "exceeds the" in str(info.value), info.value
@@ -178,8 +214,8 @@ async def test_a_failing_decode_fails_only_its_request(model_paths: dict[str, Pa
             assert "decode failed" in str(info.value), info.value
             assert engine.metrics.isolated_failures >= 1
         assert [o.token_ids for o in outs] == solo[:3]
-        engine._schedule = schedule  # type: ignore[method-assign]
-        assert engine.slots_in_use() == 0
-        again = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+        scheduler.schedule = schedule  # type: ignore[method-assign]
+        await wait_until(lambda: engine.slots_in_use() == 0)
+        again = await gather(*(engine.generate(p, params) for p in prompts))
         assert [o.token_ids for o in again] == solo
         assert await engine.kv_positions() == [-1] * 4

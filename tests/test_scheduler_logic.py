@@ -19,7 +19,7 @@ def make(
 ) -> Request:
     r = Request(rid, [1] * max(prompt, 1), SamplingParams(max_tokens=max_tokens), 0, priority, arrival)
     r.state = state
-    r.n_past = n_past
+    r.history = [3] * n_past
     r.last = 5
     r.to_prefill = [7] * prompt
     return r

@@ -108,16 +108,47 @@ def test_state_capture_needs_quiescence(models: ModelCache) -> None:
 
 
 def test_raw_state_round_trip(models: ModelCache) -> None:
-    session = make(models, "llama", None, "ngram-mod", {}, False)
+    """The seed's raw per-context state calls, target and draft, and the speculative state
+    (which upstream holds for EAGLE-3: its deferred boundary)."""
+    session = make(models, "walk-llama", "walk-llama-eagle3", "eagle3", {}, False)
     loop = GreedyLoop(session)
-    loop.start(0, models("llama").tokenize(PROMPT))
+    loop.start(0, models("walk-llama").tokenize(PROMPT))
     loop.run([0], 4)
     size = session.target_state_seq_get_size_ext(0)
     data = session.target_state_seq_get_data_ext(0)
-    assert len(data) == size > 0
-    session.clear_target_kv_cache_seq(0)
-    assert session.target_state_seq_set_data_ext(data, 1) == size
-    assert session.target_context.seq_pos_max(1) == loop.n_past[0] - 1
+    draft_size = session.draft_state_seq_get_size_ext(0)
+    draft_data = session.draft_state_seq_get_data_ext(0)
+    assert len(data) == size > 0 and len(draft_data) == draft_size > 0
     spec_state = session.speculative_state(0)
+    history = session.history(0)
+    assert session.draft_context is not None
+    draft_pos = session.draft_context.seq_pos_max(0)
+    session.clear_target_kv_cache_seq(0)
+    session.clear_draft_kv_cache_seq(0)
+    assert session.target_state_seq_set_data_ext(data, 1) == size
+    assert session.draft_state_seq_set_data_ext(draft_data, 1) == draft_size
+    assert session.target_context.seq_pos_max(1) == loop.n_past[0] - 1
+    assert session.draft_context.seq_pos_max(1) == draft_pos >= 0
     session.restore_speculative_state(1, spec_state)
-    assert session.history(1) == session.history(0)
+    assert session.history(1) == history
+    # the restored sequence continues exactly
+    loop.resume(1, loop.last[0], loop.n_past[0])
+    loop.run([1], 8)
+    expected = GreedyLoop(make(models, "walk-llama", "walk-llama-eagle3", "eagle3", {}, False))
+    expected.start(0, models("walk-llama").tokenize(PROMPT))
+    got = loop.outputs[0] + loop.outputs[1]
+    expected.run([0], len(got))
+    assert got == expected.outputs[0][: len(got)]
+
+
+def test_speculative_state_needs_state_upstream(models: ModelCache) -> None:
+    """As the seed: a drafter that keeps no per-sequence state (the n-gram ones) has no
+    speculative state to capture (StateError); the whole sequence still captures."""
+    session = make(models, "llama", None, "ngram-mod", {}, False)
+    loop = GreedyLoop(session)
+    loop.start(0, models("llama").tokenize(PROMPT))
+    with pytest.raises(StateError, match="keeps no per-sequence"):
+        session.speculative_state(0)
+    assert session.capture_sequence(0)
+    with pytest.raises(StateError, match="no draft context"):
+        session.draft_state_seq_get_size_ext(0)

@@ -24,7 +24,7 @@ import anyio.abc
 
 from .. import _nb_spec
 from ..logs import get_logger
-from ..session import ClosedError, ContextConfig, Model, Runtime, SessionError, SpeculativeSession
+from ..session import ClosedError, ContextConfig, Model, Runtime, SpeculativeSession
 from .errors import EngineDeadError, UnknownRequestError
 from .inputs import InputProcessor, Prompt
 from .params import EngineConfig, SamplingParams, default_model_path
@@ -189,7 +189,8 @@ class Engine:
         :raises: as :meth:`generate`, from the iteration.
         """
         return RequestStream(
-            self, lambda: self._submit(prompt, params, request_id, resume_from, priority, checkpoint, stream=True)
+            self,
+            lambda: self._submit(prompt, params, request_id, resume_from, priority, checkpoint, stream=True),
         )
 
     async def abort(self, request_id: str) -> None:

@@ -43,7 +43,9 @@ class InputProcessor:
         arrival_index: int,
     ) -> Request:
         """:raises InvalidArgumentError, PromptTooLongError, StateError:"""
-        resume = unpack_resume(resume_from, self.fingerprint, self.with_draft) if resume_from is not None else None
+        resume = (
+            unpack_resume(resume_from, self.fingerprint, self.with_draft) if resume_from is not None else None
+        )
         tokens = await self.tokens(prompt, add_special=resume is None)
         if resume is not None:
             tokens = [resume.last, *tokens]  # the last sampled token is not in the KV cache yet
@@ -76,7 +78,9 @@ class InputProcessor:
         """
         model = self.model
         if isinstance(prompt, str):
-            return await model.atokenize(prompt, add_special=add_special, parse_special=True) if prompt else []
+            return (
+                await model.atokenize(prompt, add_special=add_special, parse_special=True) if prompt else []
+            )
         items = list(prompt) if isinstance(prompt, list | tuple) else None
         if items and all(isinstance(m, dict) for m in items):
             text = await model.aapply_chat_template(items)

@@ -27,7 +27,15 @@ from typing import Protocol
 
 from .params import SamplingParams
 
-__all__ = ["FinishReason", "Outcome", "OutputState", "StopRules", "TextAssembler", "Verified", "process_output"]
+__all__ = [
+    "FinishReason",
+    "Outcome",
+    "OutputState",
+    "StopRules",
+    "TextAssembler",
+    "Verified",
+    "process_output",
+]
 
 
 class FinishReason(enum.StrEnum):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -58,10 +57,14 @@ class SamplingParams:
             "frequency_penalty",
         ):
             v = getattr(self, name)
-            _check(isinstance(v, (int, float)) and not isinstance(v, bool), f"{name} must be a number, got {v!r}")
+            _check(
+                isinstance(v, (int, float)) and not isinstance(v, bool), f"{name} must be a number, got {v!r}"
+            )
         for name in ("top_k", "penalty_last_n"):
             v = getattr(self, name)
-            _check(isinstance(v, int) and -(2**31) <= v < 2**31, f"{name} must be a 32-bit integer, got {v!r}")
+            _check(
+                isinstance(v, int) and -(2**31) <= v < 2**31, f"{name} must be a 32-bit integer, got {v!r}"
+            )
         _check(
             self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**32),
             f"seed must be in [0, 2**32), got {self.seed!r}",

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-from anyio.abc import ObjectReceiveStream, ObjectSendStream
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from .errors import UnknownRequestError
 from .output import FinishReason, TextAssembler
@@ -169,8 +169,8 @@ class Request:
     checkpoint_waiters: list[CheckpointWaiter] = field(default_factory=list)
     #: FINISHING: the last step's delta, handed out with the result once captured
     tail: Delta | None = None
-    send: ObjectSendStream[Delta] | None = None
-    receive: ObjectReceiveStream[Delta] | None = None
+    send: MemoryObjectSendStream[Delta] | None = None
+    receive: MemoryObjectReceiveStream[Delta] | None = None
     done: anyio.Event = field(default_factory=anyio.Event)
 
     def __post_init__(self) -> None:
@@ -200,7 +200,7 @@ class Request:
         if self.send is None:
             return True
         stats = self.send.statistics()
-        return stats.current_buffer_used <= stats.max_buffer_size - 2
+        return bool(stats.current_buffer_used <= stats.max_buffer_size - 2)
 
     def push(self, delta: Delta) -> None:
         if self.send is not None and (delta.text or delta.token_ids or delta.finish_reason):
@@ -235,7 +235,9 @@ class Request:
         self.metrics.finish_reason = reason
         self.metrics.finished = time.perf_counter()
         for waiter in self.checkpoint_waiters:
-            waiter.resolve(None, UnknownRequestError(f"request {self.request_id!r} ended before its checkpoint"))
+            waiter.resolve(
+                None, UnknownRequestError(f"request {self.request_id!r} ended before its checkpoint")
+            )
         self.checkpoint_waiters.clear()
         text = tail.text + self.text.take(final=True)
         if self.send is not None:

@@ -46,7 +46,8 @@ class EngineMetrics:
     occupancy_sum: float = 0.0  #: sum over steps of active sequences / n_seq
     generated_tokens: int = 0
     drafted: int = 0
-    accepted: int = 0
+    accepted: int = 0  #: drafts kept (accepted by verification and before any stop)
+    cut_tokens: int = 0  #: verified tokens dropped because a stop came before them
     accepted_per_position: list[int] = field(default_factory=list)
     requests_finished: int = 0
     queue_depth: int = 0
@@ -91,7 +92,9 @@ class Scheduler:
     def check_admissible(self, request_id: str) -> None:
         """:raises QueueFullError, InvalidArgumentError: before any work is spent on it."""
         if len(self.waiting) >= self.config.max_queue:
-            raise QueueFullError(f"the wait queue is full ({self.config.max_queue} requests)", reason="queue full")
+            raise QueueFullError(
+                f"the wait queue is full ({self.config.max_queue} requests)", reason="queue full"
+            )
         if request_id in self.requests:
             raise InvalidArgumentError(f"request id {request_id!r} is in use", reason="duplicate id")
 
@@ -239,6 +242,7 @@ class Scheduler:
         if outcome.keep < len(out.tokens):
             assert r.slot is not None
             self._settles[r.slot] = outcome.keep - 1  # a stop inside accepted drafts
+            self.metrics.cut_tokens += len(out.tokens) - outcome.keep
         kept_drafts = outcome.keep - 1
         m = self.metrics
         r.metrics.drafted += out.drafted

@@ -149,7 +149,9 @@ class SpeculativeConfig:
     def check_draft_model(self, given: bool) -> None:
         """:raises InvalidConfigError: a draft model is missing, or given to a type that takes none."""
         if self.needs_draft_model and not given:
-            raise InvalidConfigError(f"speculative type {self.type} needs a draft model", reason="no draft model")
+            raise InvalidConfigError(
+                f"speculative type {self.type} needs a draft model", reason="no draft model"
+            )
         if given and not self.needs_draft_model:
             raise InvalidConfigError(
                 f"speculative type {self.type} takes no draft model", reason="unexpected draft model"

@@ -13,7 +13,6 @@ from typing import Any
 import anyio
 
 from .. import _nb_spec
-from .errors import ClosedError
 
 __all__ = ["Runtime"]
 

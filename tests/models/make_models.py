@@ -515,6 +515,71 @@ def _write_dflash(
     _write_gguf(path, "dflash", kv, t, voc, vocab_skip=("tokenizer.ggml.mask_token_id",), extra_kv=extra)
 
 
+def _write_dflash_oracle(path: pathlib.Path, name: str, voc: Vocab, walk: Walk) -> None:
+    """A DFlash draft whose FIRST draft token is always the walk target's next token.
+
+    DFlash decodes the block [id_last, MASK, MASK, ...]; the token at MASK position 1 must be
+    sigma(id_last). Construction (one working layer, four heads of 16 with as many KV heads):
+    the draft's own embeddings are E[t] + c*u for every token (u a unit direction, c above
+    every |u . E[t]|) and 0.01*v for the mask (v a unit direction orthogonal to u). Each
+    head's query is the v-component (dimension 15 of the head: the lowest RoPE frequency, so
+    positions barely rotate it) and its key the u-component; after the per-head norms the
+    mask's query matches id_last's key with a score of 36 and every mask's key (0) and every
+    injected context key (fc = 0 gives K = V = 0) with 0: a mask attends to id_last alone.
+    V is the whole normed input and W_o removes the u-component, so the mask position's
+    hidden state is ~E[id_last] and the target's walk head (shipped as the draft's own
+    output) predicts sigma(id_last). Later masks predict the same token: drafts after the
+    first are wrong, so verification accepts exactly one token per step, as the EAGLE-3 oracle.
+    """
+    rng = _rng(name)
+    basis = np.linalg.qr(rng.standard_normal((E, 2)))[0].T.astype(np.float32)
+    u, v = basis[0], basis[1]
+    walk_e = walk.token_embd().astype(np.float32)
+    c = 1.5 * float(np.abs(walk.walk_embd.astype(np.float32) @ u).max())
+    tok = walk_e + c * u
+    tok[DFLASH_MASK_ID] = 0.01 * v
+    n_head = n_head_kv = H
+    hd = D
+    q = np.zeros((n_head * hd, E), dtype=np.float32)
+    k = np.zeros((n_head_kv * hd, E), dtype=np.float32)
+    for h in range(n_head):
+        q[h * hd + hd - 1] = v
+        k[h * hd + hd - 1] = u
+    t: dict[str, np.ndarray] = {
+        "token_embd.weight": tok.astype(np.float16),
+        "output.weight": walk.head(1).astype(np.float16),
+        "fc.weight": np.zeros((E, len(DFLASH_TARGET_LAYERS) * E), dtype=np.float32),
+        "enc.output_norm.weight": _ones(E),
+        "output_norm.weight": _ones(E),
+    }
+    for i in range(2):
+        p = f"blk.{i}."
+        working = i == 0  # the second layer is the identity (zero outputs)
+        t[p + "attn_norm.weight"] = _ones(E)
+        t[p + "attn_q.weight"] = q if working else _mat(rng, n_head * hd, E)
+        t[p + "attn_k.weight"] = k if working else _mat(rng, n_head_kv * hd, E)
+        t[p + "attn_v.weight"] = (
+            np.eye(n_head_kv * hd, E, dtype=np.float32) if working else _mat(rng, n_head_kv * hd, E)
+        )
+        t[p + "attn_output.weight"] = (
+            (np.eye(E) - np.outer(u, u)).astype(np.float32) if working else _mat(rng, E, E, 0.0)
+        )
+        t[p + "attn_q_norm.weight"] = np.full(hd, 3.0, dtype=np.float32)
+        t[p + "attn_k_norm.weight"] = np.full(hd, 3.0, dtype=np.float32)
+        t[p + "ffn_norm.weight"] = _ones(E)
+        t[p + "ffn_gate.weight"] = _mat(rng, FF, E)
+        t[p + "ffn_up.weight"] = _mat(rng, FF, E)
+        t[p + "ffn_down.weight"] = _mat(rng, E, FF, 0.0)
+    kv = _base_kv(2, E, n_head, n_head_kv, FF, hd)
+    kv["{arch}.target_layers"] = list(DFLASH_TARGET_LAYERS)
+    kv["{arch}.block_size"] = DFLASH_BLOCK_SIZE
+
+    def extra(w: GGUFWriter) -> None:
+        w.add_uint32("tokenizer.ggml.mask_token_id", DFLASH_MASK_ID)
+
+    _write_gguf(path, "dflash", kv, t, voc, vocab_skip=("tokenizer.ggml.mask_token_id",), extra_kv=extra)
+
+
 # ---- qwen35 (+ NextN / MTP) ---------------------------------------------------------
 
 
@@ -680,6 +745,9 @@ def _builders() -> dict[str, Callable[[pathlib.Path], None]]:
         "walk-llama": lambda p: _write_llama(p, "walk-llama", L(), walk=W("walk-llama")),
         "walk-llama-eagle3": lambda p: _write_eagle3(p, "walk-llama-eagle3", L(), oracle=W("walk-llama")),
         "walk-llama-dflash": lambda p: _write_dflash(p, "walk-llama-dflash", L()),
+        "walk-llama-dflash-oracle": lambda p: _write_dflash_oracle(
+            p, "walk-llama-dflash-oracle", L(), W("walk-llama")
+        ),
         "walk-qwen35-mtp": lambda p: _write_qwen35(p, "walk-qwen35-mtp", Q(), walk=W("walk-qwen35")),
         "walk-llama-cycle6": lambda p: _write_llama(p, "walk-llama-cycle6", L(), walk=W("walk-llama-cycle6")),
         # broken variants
