@@ -114,9 +114,8 @@ class Scheduler:
         if r.state is RequestState.WAITING:
             self.waiting.remove(r)
             self.metrics.queue_depth = len(self.waiting)
-        if r.slot is not None:
+        if r.slot is not None:  # (a settle decided for it still applies before the clear)
             self.slots.release(r.slot)
-            self._settles.pop(r.slot, None)
             self._to_clear.append(r.slot)
             r.slot = None
         r.finish(reason, error)
@@ -131,16 +130,15 @@ class Scheduler:
         self.finish(r, FinishReason.ERROR.value, err)
 
     def end_all(self, error: BaseException | None = None) -> None:
-        """Every request ends: aborted, or with ``error`` (closing, or the engine died)."""
+        """Every request ends: with ``error`` (the engine died), else aborted (closing); one
+        whose generation had ended keeps its reason, without its final checkpoint."""
         for r in list(self.requests.values()):
-            if error is None:
-                self.finish(r, FinishReason.ABORT.value)
-            else:
+            if error is not None:
                 self.finish(r, FinishReason.ERROR.value, error)
-
-    @property
-    def idle(self) -> bool:
-        return not self.requests and not self._to_clear and not self._settles
+            elif r.state is RequestState.FINISHING and r.tail is not None and r.tail.finish_reason:
+                self.finish(r, r.tail.finish_reason)
+            else:
+                self.finish(r, FinishReason.ABORT.value)
 
     # --- planning ----------------------------------------------------------------------
     def schedule(self) -> Plan:
