@@ -23,6 +23,8 @@ from .scheduler import Engine, EngineConfig, SamplingParams
 from .session import Batch, Context, ContextConfig, Model, Runtime
 
 __all__ = [
+    "medians",
+    "speedups",
     "COPY_PROMPTS",
     "PROMPTS",
     "PROMPT_SETS",
@@ -109,6 +111,10 @@ def percentile(values: list[float], q: float) -> float:
 
 @dataclass
 class BenchResult:
+    """One load run. Throughput is measured in the steady window: from the end of the first
+    request (every stream has started) until a stream finds no request left to send (the
+    tail, where fewer than N streams run, is out); the whole run is reported as well."""
+
     n_streams: int
     speculative: str
     requests: int
@@ -119,11 +125,20 @@ class BenchResult:
     e2e: list[float] = field(default_factory=list)
     drafted: int = 0
     accepted: int = 0
-    occupancy: float = 0.0
+    occupancy: float = 0.0  #: batch occupancy in the steady window
     raw_tokens_per_s: float | None = None
+    steady_tokens: int = 0
+    steady_seconds: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
+        """Steady-state throughput (the whole run's when no steady window was seen)."""
+        if self.steady_seconds > 0:
+            return self.steady_tokens / self.steady_seconds
+        return self.whole_run_tokens_per_s
+
+    @property
+    def whole_run_tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
 
     @property
@@ -160,7 +175,11 @@ class BenchResult:
             "tokens": self.tokens,
             "seconds": round(self.seconds, 3),
             "tokens_per_s": round(self.tokens_per_s, 2),
+            "steady_seconds": round(self.steady_seconds, 3),
+            "whole_run_tokens_per_s": round(self.whole_run_tokens_per_s, 2),
             "requests_per_s": round(self.requests_per_s, 3),
+            "drafted": self.drafted,
+            "accepted": self.accepted,
             "acceptance_rate": round(self.acceptance_rate, 4),
             "mean_acceptance_length": round(self.mean_acceptance_length, 3),
             "batch_occupancy": round(self.occupancy, 3),
@@ -230,13 +249,25 @@ async def run_load(
         # warm-up: one short request, not measured
         await engine.generate(prompts[0], SamplingParams(max_tokens=4))
         m = engine.metrics
-        steps0, occ0, drafted0, accepted0 = m.steps, m.occupancy_sum, m.drafted, m.accepted
+        drafted0, accepted0 = m.drafted, m.accepted
+        streamed = 0  # tokens received so far, by every client
+        marks: dict[
+            str, tuple[float, int, int, float]
+        ] = {}  # steady window: (time, tokens, steps, occupancy)
+
+        def mark(name: str) -> None:
+            if name not in marks:
+                marks[name] = (time.perf_counter(), streamed, m.steps, m.occupancy_sum)
+
         start = time.perf_counter()
         deadline = start + duration if duration is not None else float("inf")
 
         async def client() -> None:
-            for i in counter:
-                if time.perf_counter() >= deadline:
+            nonlocal streamed
+            while True:
+                i = next(counter, None)
+                if i is None or time.perf_counter() >= deadline:
+                    mark("end")  # a stream has nothing left to send: the tail begins
                     return
                 t0 = time.perf_counter()
                 first = last = None
@@ -253,6 +284,8 @@ async def run_load(
                             itl.append((now - last) / len(delta.token_ids))
                         last = now
                         ids += delta.token_ids
+                        streamed += len(delta.token_ids)
+                mark("begin")  # every stream has started and one has finished a request
                 result.record(len(ids), first, itl, time.perf_counter() - t0)
                 if outputs is not None:
                     outputs[i] = ids
@@ -265,8 +298,10 @@ async def run_load(
         result.seconds = time.perf_counter() - start
         result.drafted = m.drafted - drafted0
         result.accepted = m.accepted - accepted0
-        steps = m.steps - steps0
-        result.occupancy = (m.occupancy_sum - occ0) / steps if steps else 0.0
+        if "begin" in marks and "end" in marks and marks["end"][0] > marks["begin"][0]:
+            (t0, tok0, steps0, occ0), (t1, tok1, steps1, occ1) = marks["begin"], marks["end"]
+            result.steady_seconds, result.steady_tokens = t1 - t0, tok1 - tok0
+            result.occupancy = (occ1 - occ0) / (steps1 - steps0) if steps1 > steps0 else 0.0
     return result
 
 
@@ -274,23 +309,61 @@ def _p3(values: list[float], scale: float, fmt: str) -> str:
     return "/".join(format(scale * percentile(values, q), fmt) for q in (0.5, 0.9, 0.99))
 
 
+def medians(results: list[BenchResult]) -> list[BenchResult]:
+    """One run per (N, speculative type): the run with the median throughput of its repeats."""
+    groups: dict[tuple[int, str], list[BenchResult]] = {}
+    for r in results:
+        groups.setdefault((r.n_streams, r.speculative), []).append(r)
+    return [sorted(g, key=lambda r: r.tokens_per_s)[(len(g) - 1) // 2] for g in groups.values()]
+
+
+def speedups(
+    results: list[BenchResult], reference: str = "none"
+) -> list[tuple[int, str, float, float, float]]:
+    """(N, type, median, min, max) of each type's throughput ÷ ``reference``'s, paired run
+    by run in the order they ran (interleaved repeats: A, B, A, B, ...)."""
+    out = []
+    for n in sorted({r.n_streams for r in results}):
+        ref = [r for r in results if r.n_streams == n and r.speculative == reference]
+        for spec in dict.fromkeys(r.speculative for r in results if r.speculative != reference):
+            runs = [r for r in results if r.n_streams == n and r.speculative == spec]
+            ratios = sorted(
+                a.tokens_per_s / b.tokens_per_s for a, b in zip(runs, ref, strict=False) if b.tokens_per_s
+            )
+            if ratios:
+                out.append((n, spec, ratios[(len(ratios) - 1) // 2], ratios[0], ratios[-1]))
+    return out
+
+
 def summarize(results: list[BenchResult]) -> str:
-    """A table: engine tok/s, raw decode tok/s, their ratio, acceptance, latencies."""
+    """A table (medians of repeats): steady-state tok/s, the raw decode ceiling and the ratio
+    to it, acceptance, occupancy, latencies; then speculation on ÷ off per N."""
     head = (
-        f"{'N':>4} {'spec':>14} {'tok/s':>8} {'raw tok/s':>10} {'ratio':>6} {'req/s':>6} {'accept':>7} "
-        f"{'acc.len':>7} {'occup':>6} {'TTFT p50/90/99 s':>18} {'ITL p50/90/99 ms':>18} "
+        f"{'N':>4} {'spec':>14} {'tok/s':>8} {'raw tok/s':>10} {'ratio':>6} {'req/s':>6} {'drafted':>8} "
+        f"{'accept':>7} {'acc.len':>7} {'occup':>6} {'TTFT p50/90/99 s':>18} {'ITL p50/90/99 ms':>18} "
         f"{'e2e p50/90/99 s':>18}"
     )
     lines = [head, "-" * len(head)]
-    for r in results:
+    for r in medians(results):
         raw = r.raw_tokens_per_s
         ratio = f"{r.tokens_per_s / raw:6.2f}" if raw else "     -"
         lines.append(
             f"{r.n_streams:>4} {r.speculative:>14} {r.tokens_per_s:8.1f} "
-            f"{(raw or float('nan')):10.1f} {ratio} {r.requests_per_s:6.2f} {r.acceptance_rate:7.1%} "
-            f"{r.mean_acceptance_length:7.2f} {r.occupancy:6.2f} {_p3(r.ttft, 1, '.2f'):>18} "
-            f"{_p3(r.itl, 1000, '.0f'):>18} {_p3(r.e2e, 1, '.2f'):>18}"
+            f"{(raw or float('nan')):10.1f} {ratio} {r.requests_per_s:6.2f} {r.drafted:8d} "
+            f"{r.acceptance_rate:7.1%} {r.mean_acceptance_length:7.2f} {r.occupancy:6.2f} "
+            f"{_p3(r.ttft, 1, '.2f'):>18} {_p3(r.itl, 1000, '.0f'):>18} {_p3(r.e2e, 1, '.2f'):>18}"
         )
+    ups = speedups(results)
+    if ups:
+        repeats = max(sum(1 for r in results if (r.n_streams, r.speculative) == (n, s)) for n, s, *_ in ups)
+        lines += [
+            "",
+            f"speculation on ÷ off, steady state (median of {repeats} interleaved repeats [min, max]):",
+        ]
+        for n, spec, med, lo, hi in ups:
+            drafted = sum(r.drafted for r in results if (r.n_streams, r.speculative) == (n, spec))
+            note = "" if drafted else "  (drafted nothing)"
+            lines.append(f"  N={n:<3} {spec:>14}: {med:5.2f}x  [{lo:.2f}, {hi:.2f}]{note}")
     return "\n".join(lines)
 
 
@@ -302,6 +375,7 @@ def plot(results: list[BenchResult], path: str | Path, title: str = "") -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    results = medians(results)
     specs = list(dict.fromkeys(r.speculative for r in results))
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5), constrained_layout=True)
     panels: list[tuple[str, Callable[[BenchResult], float]]] = [

@@ -612,6 +612,9 @@ NB_MODULE(_nb_spec, m) {
 
     nb::class_<StepPlan>(m, "StepPlan", "What one engine step does; filled by the scheduler.")
         .def(nb::init<>())
+        .def_rw("uniform_drafts", &StepPlan::uniform_drafts)
+        .def_rw("output_align", &StepPlan::output_align)
+        .def_rw("align_from", &StepPlan::align_from)
         .def("settle", [](StepPlan & p, int32_t seq, int32_t n_accepted) { p.settles.push_back({seq, n_accepted}); },
              "seq"_a, "n_accepted"_a)
         .def("capture", [](StepPlan & p, int32_t seq) { p.captures.push_back(seq); }, "seq"_a)
@@ -625,9 +628,9 @@ NB_MODULE(_nb_spec, m) {
             }, "seq"_a, "params"_a, "replay_prompt"_a = std::vector<int32_t>{},
             "replay_generated"_a = std::vector<int32_t>{})
         .def("work", [](StepPlan & p, int32_t seq, std::vector<int32_t> tokens, int32_t pos0, bool sample,
-                        int32_t n_draft, bool begin) {
-                p.work.push_back({seq, std::move(tokens), pos0, sample, n_draft, begin});
-            }, "seq"_a, "tokens"_a, "pos0"_a, "sample"_a, "n_draft"_a = 0, "begin"_a = false);
+                        int32_t n_draft, bool begin, int32_t max_draft) {
+                p.work.push_back({seq, std::move(tokens), pos0, sample, n_draft, std::max(max_draft, n_draft), begin});
+            }, "seq"_a, "tokens"_a, "pos0"_a, "sample"_a, "n_draft"_a = 0, "begin"_a = false, "max_draft"_a = 0);
 
     nb::class_<StepOutput>(m, "StepOutput")
         .def_ro("seq", &StepOutput::seq)
@@ -638,6 +641,7 @@ NB_MODULE(_nb_spec, m) {
             return out;
         })
         .def_ro("drafted", &StepOutput::drafted)
+        .def_ro("produced", &StepOutput::produced)
         .def_ro("accepted", &StepOutput::accepted)
         .def_ro("pos", &StepOutput::pos);
     nb::class_<StepCapture>(m, "StepCapture")
@@ -658,6 +662,7 @@ NB_MODULE(_nb_spec, m) {
         .def_ro("draft_error", &StepResult::draft_error)
         .def_ro("t_draft_us", &StepResult::t_draft_us)
         .def_ro("t_decode_us", &StepResult::t_decode_us)
+        .def_ro("t_process_us", &StepResult::t_process_us)
         .def_ro("t_verify_us", &StepResult::t_verify_us)
         .def_ro("t_total_us", &StepResult::t_total_us);
 

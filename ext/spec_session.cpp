@@ -449,6 +449,17 @@ void SpecSession::accept(int32_t seq_id, int64_t n_accepted) {
     }
 }
 
+void SpecSession::extend_proposal(int32_t seq_id, int32_t n) {
+    check_seq(seq_id);
+    if (pending_[seq_id] < 0) {
+        Error e(ErrorKind::NoPendingProposal, "sequence " + std::to_string(seq_id) + " has no draft proposal to extend");
+        e.seq_id = seq_id;
+        throw e;
+    }
+    if (n < 0) fail(ErrorKind::InvalidArgument, "a proposal cannot be extended by a negative count");
+    pending_[seq_id] += n;
+}
+
 void SpecSession::print_stats() const {
     common_speculative_print_stats(spec_);
 }

@@ -87,6 +87,9 @@ public:
     // One upstream draft call for many sequences; result i belongs to requests[i].
     std::vector<std::vector<llama_token>> draft_many(const std::vector<DraftRequest> & requests);
     void accept(int32_t seq_id, int64_t n_accepted);
+    // Lengthen a pending proposal by tokens the caller appended to the draft (fillers that
+    // verification may accept; upstream accept indexes the verified rows, which hold them).
+    void extend_proposal(int32_t seq_id, int32_t n);
 
     // No pending proposal on any sequence, and no draft call left unfinished upstream.
     bool is_quiescent() const;

@@ -1,6 +1,7 @@
 #include "step.h"
 
 #include <algorithm>
+#include <cstdint>
 
 namespace engine {
 
@@ -21,9 +22,10 @@ struct StepRunner::State {
     std::vector<bool> failed;                       // per sequence: failed this step, skip the rest
     std::vector<const StepWork *> work;             // valid work items, ascending sequence ids
     std::vector<std::vector<llama_token>> drafts;   // per sequence
+    std::vector<int32_t> produced;                  // per sequence: drafts produced before any trim
     std::optional<Error> decode_error;              // why the last decode_and_verify failed
 
-    State(const StepPlan & p, size_t n_seq) : plan(p), failed(n_seq, false), drafts(n_seq) {}
+    State(const StepPlan & p, size_t n_seq) : plan(p), failed(n_seq, false), drafts(n_seq), produced(n_seq, 0) {}
 };
 
 StepRunner::StepRunner(std::shared_ptr<SpecSession> session)
@@ -211,6 +213,58 @@ void StepRunner::draft(State & st) {
     }
     st.result.t_draft_us += now_us() - t0;
     st.result.n_draft_calls = 1;
+    size_t shortest = SIZE_MAX;
+    for (const DraftRequest & r : requests) {
+        st.produced[r.seq_id] = static_cast<int32_t>(st.drafts[r.seq_id].size());
+        shortest = std::min(shortest, st.drafts[r.seq_id].size());
+    }
+    if (st.plan.uniform_drafts) {  // (verification accepts at most what is left: the rest stays proposed)
+        for (const DraftRequest & r : requests) st.drafts[r.seq_id].resize(shortest);
+    } else {
+        align_rows(st);
+    }
+}
+
+void StepRunner::align_rows(State & st) {
+    const int32_t align = st.plan.output_align;
+    if (align <= 1) return;
+    int32_t rows = 0, room = 0, drafted = 0;
+    for (const StepWork * w : st.work) {
+        if (!w->sample) continue;
+        const auto & d = st.drafts[w->seq];
+        rows += 1 + static_cast<int32_t>(d.size());
+        drafted += static_cast<int32_t>(d.size());
+        if (!d.empty()) room += std::max(0, w->max_draft - static_cast<int32_t>(d.size()));
+    }
+    if (rows < st.plan.align_from || rows % align == 0) return;
+    int32_t pad = align - rows % align;
+    if (pad <= room) {  // fillers extend drafts upstream proposed this step, round robin
+        for (bool added = true; pad > 0 && added;) {
+            added = false;
+            for (const StepWork * w : st.work) {
+                auto & d = st.drafts[w->seq];
+                if (pad == 0 || !w->sample || d.empty() || static_cast<int32_t>(d.size()) >= w->max_draft) continue;
+                d.push_back(d.back());
+                session_->extend_proposal(w->seq, 1);
+                --pad;
+                added = true;
+            }
+        }
+        return;
+    }
+    // no room for a whole tile: drop the partial one, last positions of the longest drafts
+    // first (they are accepted least); the dropped tokens stay proposed, never verified
+    int32_t cut = rows % align;
+    if (cut > drafted) return;
+    while (cut > 0) {
+        std::vector<llama_token> * longest = nullptr;
+        for (const StepWork * w : st.work) {
+            auto & d = st.drafts[w->seq];
+            if (w->sample && (!longest || d.size() > longest->size())) longest = &d;
+        }
+        longest->pop_back();
+        --cut;
+    }
 }
 
 // --- ONE target batch (split by n_batch only when it must be), then verification --------
@@ -270,7 +324,9 @@ bool StepRunner::decode_and_verify(State & st, const std::vector<const StepWork 
     ++st.result.n_decode_calls;
     try {
         s.decode_target(batch);
+        const int64_t t_p = now_us();
         s.process(batch);
+        st.result.t_process_us += now_us() - t_p;
     } catch (const std::exception & e) {
         st.result.t_decode_us += now_us() - t0;
         const auto * err = dynamic_cast<const Error *>(&e);
@@ -293,6 +349,7 @@ bool StepRunner::decode_and_verify(State & st, const std::vector<const StepWork 
         out.tokens = samplers_[w.seq]->verify(target.get(), verify_rows, d);
         for (int32_t t : out.tokens) out.pieces.push_back(model.token_to_piece(t, false));
         out.drafted = static_cast<int32_t>(d.size());
+        out.produced = st.produced[w.seq];
         out.accepted = static_cast<int32_t>(out.tokens.size()) - 1;
         out.pos = w.pos0 + n_tok;
         unsettled_[w.seq] = Unsettled{w.pos0 + n_tok - 1, out.accepted, w.begin};

@@ -30,6 +30,7 @@ struct StepWork {
     int32_t pos0 = 0;
     bool sample = false;          // sample (and verify drafts) after the last token
     int32_t n_draft = 0;          // at most this many draft tokens after `tokens`
+    int32_t max_draft = 0;        // draft rows it may take, fillers included (see output_align)
     bool begin = false;           // the last chunk of a prompt: start the drafter's generation
 };
 
@@ -51,6 +52,15 @@ struct StepSettle {
 };
 
 struct StepPlan {
+    // per-sequence KV streams decode a step in one pass only when every sequence has the
+    // same number of rows: trim every draft to the shortest one produced
+    bool uniform_drafts = false;
+    // CPU matmul kernels take the output rows in tiles: a batch whose rows that need logits
+    // are not a multiple of `output_align` pays for the partial tile almost as for a whole
+    // one. From `align_from` rows on, drafts are padded with filler tokens (the last draft
+    // token again) up to the next multiple: free rows, sometimes accepted.
+    int32_t output_align = 1;
+    int32_t align_from = 0;
     std::vector<StepSettle> settles;  // sequences not named keep every verified token
     std::vector<int32_t> captures;    // taken at the quiescent boundary
     std::vector<int32_t> clears;      // KV (target + draft), history and sampler of a slot
@@ -63,7 +73,8 @@ struct StepOutput {
     int32_t seq = 0;
     std::vector<int32_t> tokens;      // verified tokens: accepted drafts, then the target's own
     std::vector<std::string> pieces;  // their bytes
-    int32_t drafted = 0;
+    int32_t drafted = 0;              // draft rows verified
+    int32_t produced = 0;             // drafts the drafter produced (before any trim)
     int32_t accepted = 0;             // drafts verification accepted (tokens.size() - 1)
     int32_t pos = 0;                  // position of the first token of `tokens`
 };
@@ -89,6 +100,7 @@ struct StepResult {
     int32_t n_isolated_failures = 0;  // batches that failed and were retried one sequence at a time
     std::string draft_error;          // the draft call failed: this step verified no drafts
     int64_t t_draft_us = 0, t_decode_us = 0, t_verify_us = 0, t_total_us = 0;
+    int64_t t_process_us = 0;  // the drafter's share of t_decode_us (its own pass over the batch)
 };
 
 class StepRunner {
@@ -109,6 +121,7 @@ private:
     void boundary(State & st);
     void select_work(State & st);
     void draft(State & st);
+    void align_rows(State & st);
     void decode(State & st);
     bool decode_and_verify(State & st, const std::vector<const StepWork *> & items);
     void fail_seq(State & st, int32_t seq, const std::exception & e);

@@ -61,9 +61,14 @@ def test_bench_on_a_tiny_model(model_paths: dict[str, Path], tmp_path: Path) -> 
     assert report["settings"]["prompts"] == "copy" and report["machine"]["cores"] >= 1
     assert report["command"].startswith("python -m engine bench --model")
     rows = report["results"]
-    assert [(r["n_streams"], r["speculative"]) for r in rows] == [
+    assert [(r["n_streams"], r["speculative"]) for r in rows] == [  # interleaved per N
         (1, "none"),
+        (1, "ngram-simple"),
         (2, "none"),
+        (2, "ngram-simple"),
+    ]
+    assert "speculation on ÷ off" in done.stdout
+    assert [(u["n_streams"], u["speculative"]) for u in report["speedups"]] == [
         (1, "ngram-simple"),
         (2, "ngram-simple"),
     ]

@@ -117,3 +117,53 @@ def test_type_stubs_are_shipped() -> None:
     stub = folder / "_nb_spec.pyi"
     assert stub.is_file() and "class SpecSession" in stub.read_text()
     assert (folder / "py.typed").is_file()
+
+
+def test_many_sequences_in_one_batch_attend_only_to_their_own_cells(models: ModelCache) -> None:
+    """A batch of 64+ rows from 16 sequences (llama.cpp's CPU flash attention then works in
+    64-row tiles that span many sequences, see vendor/patches/0003): every sequence's logits
+    equal those it gets decoded alone. Twice: rows only, and rows beside a prompt chunk."""
+    m = models("llama")
+    n_seq, hist, rows = 16, 40, 4
+    rng = np.random.default_rng(7)
+    histories = [rng.integers(10, m.n_vocab, hist).tolist() for _ in range(n_seq)]
+    steps = [rng.integers(10, m.n_vocab, rows).tolist() for _ in range(n_seq)]
+    prompt = rng.integers(10, m.n_vocab, 70).tolist()
+
+    def prefill(ctx: Context, seqs: range) -> None:
+        for s in seqs:
+            b = Batch()
+            b.add_sequence(histories[s], 0, s, logits="none")
+            ctx.decode(b)
+
+    together = Context.create(
+        m, ContextConfig(n_ctx=256 * (n_seq + 1), n_seq=n_seq + 1, n_batch=512, kv_unified=True)
+    )
+    prefill(together, range(n_seq))
+    alone = Context.create(m, ContextConfig(n_ctx=256, n_seq=1))
+    expected = []
+    for s in range(n_seq):
+        alone.kv_remove(None)
+        b = Batch()
+        b.add_sequence(histories[s] + steps[s], 0, 0, logits="none")
+        b.logits[-rows:] = [True] * rows
+        alone.decode(b)
+        expected.append(alone.logits.copy())
+    for with_prompt in (False, True):
+        b = Batch()
+        for s in range(n_seq):
+            for i, t in enumerate(steps[s]):
+                b.add(t, hist + i, s, True)
+        if with_prompt:
+            b.add_sequence(prompt, 0, n_seq, logits="none")
+        assert len(b) >= 64
+        together.decode(b)
+        got = together.logits.copy()
+        for s in range(n_seq):
+            # (alone, 44 tokens take the one-row kernel, which rounds Q to f16: ~5e-4 apart)
+            mine = got[s * rows : (s + 1) * rows]
+            np.testing.assert_allclose(mine, expected[s], rtol=0, atol=2e-3 * np.abs(expected[s]).max())
+            assert (mine.argmax(axis=1) == expected[s].argmax(axis=1)).all()
+        for s in range(n_seq):
+            together.kv_remove(s, hist, None)
+        together.kv_remove(n_seq)

@@ -1,63 +1,140 @@
-"""The draft policy as pure logic: how many tokens a sequence drafts for a measured step
-cost and its acceptance."""
+"""The draft policy as pure logic: a measured step cost and acceptance statistics in, draft
+lengths out (no native call)."""
 
 from __future__ import annotations
 
 import itertools
 
-from engine.scheduler.policy import DraftPolicy
+from engine.scheduler.policy import Drafting, DraftPolicy, DraftStats, StepCost
 
 
-def measured(a_us: float, c_us: float) -> DraftPolicy:
-    """A policy that has observed steps costing ``a + c * tokens`` microseconds."""
-    policy = DraftPolicy()
-    for n in (4, 8, 16, 32, 64, 8, 24):
-        policy.observe_step(n, a_us + c_us * n)
-    return policy
+def linear_cost(fixed: float, per_row: float, max_rows: int = 64) -> StepCost:
+    """A machine where a step costs ``fixed + per_row * rows`` (no tiles)."""
+    cost = StepCost()
+    cost.calibrate(lambda rows, prompt: fixed + per_row * (rows + prompt), max_rows)
+    return cost
 
 
-def test_the_fixed_cost_is_learned_from_step_times() -> None:
-    assert abs(measured(1000, 50).base - 20.0) < 1e-6  # base = a / c token-equivalents
-    assert DraftPolicy().base == DraftPolicy().default_base  # nothing observed yet
+def tiled_cost(max_rows: int = 64) -> StepCost:
+    """The 2-core CPU's shape: rows in tiles of four, a partial tile costs ~a whole one."""
+
+    def measure(rows: int, prompt: int) -> float:
+        if rows < 4:
+            return 0.014 + 0.008 * (rows - 1) + 0.0013 * prompt
+        whole, part = rows // 4 * 4, rows % 4
+        return 0.030 + 0.0035 * (whole - 4) + (0.016 + 0.003 * (part - 1) if part else 0.0) + 0.0013 * prompt
+
+    cost = StepCost()
+    cost.calibrate(measure, max_rows)
+    return cost
 
 
-def test_no_drafts_when_the_fixed_cost_per_sequence_is_small_and_acceptance_low() -> None:
-    policy = measured(100, 50)  # base 2 token-equivalents, shared by 8 sequences
-    assert policy.n_draft(max_k=4, accepted=1, drafted=60, n_decoding=8, step=3) == 0
+def history(accepted: float, n: int = 60, k: int = 4) -> DraftStats:
+    """Stats of ``n`` verifications of ``k`` drafts, each position accepted with
+    probability ``accepted`` given the ones before (as counts)."""
+    stats = DraftStats()
+    for i in range(n):
+        a = 0
+        while a < k and (i * 7919 + a * 104729) % 1000 < 1000 * accepted:
+            a += 1
+        stats.record(k, k, a)
+    return stats
+
+
+def value(policy: DraftPolicy, seqs: list[Drafting], ks: list[int]) -> float:
+    """The policy's own objective for a choice (expected tokens per second)."""
+    gain = rows = 0.0
+    for s, k in zip(seqs, ks, strict=True):
+        for m in range(1, k + 1):
+            prod, acc = s.stats.rates(m, policy.prior(m), policy.prior_weight)
+            gain += acc
+            rows += prod
+    n = len(seqs)
+    k_max = max(ks, default=0)
+    return (n + gain) / (policy.cost.target(n + rows) + policy.cost.draft(k_max, sum(k > 0 for k in ks)))
+
+
+def test_calibration_finds_the_tiles_and_the_prompt_cost() -> None:
+    cost = tiled_cost()
+    assert cost.align == 4
+    assert abs(cost.target(16) - 0.072) < 1e-9 and abs(cost.target(17) - 0.088) < 1e-9
+    assert cost.target(20) < cost.target(17)  # a whole tile costs less than a partial one
+    assert cost.align_from == 4  # from 4 rows on, padding to a whole tile never costs more
+    assert abs(cost.prompt_token - 0.0013) < 1e-9
+    plain = linear_cost(0.010, 0.004)
+    assert plain.align == 1 and abs(plain.target(40) - 0.170) < 1e-9  # linear beyond the points
+
+
+def test_the_cost_model_follows_what_steps_cost() -> None:
+    cost = linear_cost(0.010, 0.004)
+    for _ in range(200):
+        cost.observe(16, 0, 1.3 * cost._interpolate(16))  # this machine runs 30 % slower now
+    assert abs(cost.target(16) / (0.010 + 0.004 * 16) - 1.3) < 0.01
+    for _ in range(50):
+        cost.observe_draft(3, 8, 3 * (0.002 + 0.0005 * 8))
+        cost.observe_draft(2, 4, 2 * (0.002 + 0.0005 * 4))
+    assert abs(cost.draft(4, 6) - 4 * (0.002 + 0.0005 * 6)) < 1e-6
+
+
+def test_the_choice_maximises_expected_tokens_per_second() -> None:
+    """Against brute force over every combination of lengths, for a grid of machines,
+    batch sizes and acceptances."""
+    for cost, accepts, max_k in itertools.product(
+        (linear_cost(0.030, 0.004), linear_cost(0.002, 0.004), tiled_cost()),
+        ((0.95, 0.2), (0.7, 0.7, 0.1), (0.5,), (0.9, 0.9, 0.9)),
+        (1, 3),
+    ):
+        policy = DraftPolicy(cost=cost, margin=0.0)
+        seqs = [Drafting(history(a), max_k) for a in accepts]
+        got = policy.lengths(seqs)
+        best = max(
+            itertools.product(range(max_k + 1), repeat=len(seqs)),
+            key=lambda ks: value(policy, seqs, list(ks)),
+        )
+        assert value(policy, seqs, got) >= value(policy, seqs, list(best)) * (1 - 1e-9), (
+            accepts,
+            max_k,
+            got,
+            best,
+        )
+
+
+def test_no_drafts_when_they_cannot_pay() -> None:
+    policy = DraftPolicy(cost=linear_cost(0.010, 0.004))
+    seqs = [Drafting(history(0.3), 6) for _ in range(16)]  # a big batch, drafts mostly wrong
+    assert policy.lengths(seqs) == [0] * 16
 
 
 def test_long_drafts_when_acceptance_is_high_and_the_batch_small() -> None:
-    policy = measured(2000, 50)  # base 40: one sequence pays all of it
-    assert policy.n_draft(max_k=6, accepted=190, drafted=200, n_decoding=1, step=3) == 6
-    # the same acceptance in a big batch: the fixed cost is shared, drafts cost more
-    assert policy.n_draft(max_k=6, accepted=190, drafted=200, n_decoding=64, step=3) < 6
+    policy = DraftPolicy(cost=tiled_cost())
+    assert policy.lengths([Drafting(history(0.97, k=8), 8)]) == [7]  # 1 + 7 rows: two whole tiles
+    # the same acceptance shared by many sequences: each row's share of the fixed cost is small
+    assert sum(policy.lengths([Drafting(history(0.97, k=8), 8) for _ in range(16)])) < 16 * 7
 
 
-def test_a_sequence_that_stopped_drafting_probes() -> None:
-    policy = measured(100, 50)
-    low = {"max_k": 4, "accepted": 1, "drafted": 60, "n_decoding": 8}
-    assert policy.n_draft(**low, step=policy.probe_every) == 1
-    assert policy.n_draft(**low, step=policy.probe_every + 1) == 0
+def test_a_fresh_request_inherits_the_engine_prior_and_drafts_again_when_acceptance_rises() -> None:
+    policy = DraftPolicy(cost=linear_cost(0.020, 0.004))
+    for _ in range(200):  # the engine's drafts have been good
+        policy.observe_verification(DraftStats(), 4, 4, 4)
+    assert policy.lengths([Drafting(DraftStats(decay=0.95), 4)])[0] > 0  # a fresh request drafts
+    stats = DraftStats(decay=0.95)
+    for _ in range(30):  # its own drafts fail: it stops
+        policy.observe_verification(stats, 4, 4, 0)
+    assert policy.lengths([Drafting(stats, 4)]) == [0]
+    assert policy.lengths([Drafting(stats, 4, probe=True)]) == [1]  # still probing
+    for _ in range(10):  # and its acceptance rises again: it drafts again
+        policy.observe_verification(stats, 1, 1, 1)
+    assert policy.lengths([Drafting(stats, 4)])[0] > 0
 
 
-def test_the_choice_maximises_expected_tokens_per_cost() -> None:
-    """Against brute force over every length, for a grid of costs and acceptances."""
-    for a_us, accepted, n_dec, max_k in itertools.product(
-        (50, 500, 5000), (0, 10, 40, 58), (1, 4, 32), (1, 3, 6)
-    ):
-        policy = measured(a_us, 50)
-        alpha = policy.alpha(accepted, 60)
-        share = policy.base / n_dec
-
-        def value(k: int, alpha: float = alpha, share: float = share) -> float:
-            return sum(alpha**i for i in range(k + 1)) / (share + 1 + k)
-
-        best = max(range(max_k + 1), key=lambda k: (value(k), -k))
-        got = policy.n_draft(max_k=max_k, accepted=accepted, drafted=60, n_decoding=n_dec, step=1)
-        assert abs(value(got) - value(best)) < 1e-12, (a_us, accepted, n_dec, max_k, got, best)
+def test_per_sequence_kv_streams_get_one_length_for_every_sequence() -> None:
+    policy = DraftPolicy(cost=linear_cost(0.040, 0.002), uniform=True)
+    seqs = [Drafting(history(0.95), 4), Drafting(history(0.9), 4), Drafting(history(0.85), 3)]
+    ks = policy.lengths(seqs)
+    assert len(set(ks)) == 1 and 0 < ks[0] <= 3
+    assert DraftPolicy(cost=linear_cost(0.001, 0.004), uniform=True).lengths(seqs) == [0, 0, 0]
 
 
-def test_fixed_and_per_stream_kv() -> None:
-    assert DraftPolicy(adaptive=False).n_draft(max_k=5, accepted=0, drafted=100, n_decoding=9, step=1) == 5
-    split = DraftPolicy(unified_kv=False)
-    assert split.n_draft(max_k=5, accepted=100, drafted=100, n_decoding=2, step=1) == 0
+def test_fixed_policy_drafts_the_maximum() -> None:
+    seqs = [Drafting(history(0.0), 5), Drafting(history(0.0), 2)]
+    assert DraftPolicy(adaptive=False).lengths(seqs) == [5, 2]

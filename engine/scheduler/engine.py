@@ -15,6 +15,7 @@ does every later call. ``close()`` always stops the native thread and returns.
 from __future__ import annotations
 
 import itertools
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -24,7 +25,7 @@ import anyio.abc
 
 from .. import _nb_spec
 from ..logs import get_logger
-from ..session import ClosedError, ContextConfig, Model, Runtime, SpeculativeSession
+from ..session import Batch, ClosedError, Context, ContextConfig, Model, Runtime, SpeculativeSession
 from .errors import EngineDeadError, UnknownRequestError
 from .inputs import InputProcessor, Prompt
 from .params import EngineConfig, SamplingParams, default_model_path
@@ -39,6 +40,8 @@ log = get_logger("engine")
 #: consecutive faulty steps after which the engine gives up (a fault that repeats is not
 #: one request's: the engine's own state is broken)
 MAX_CONSECUTIVE_FAULTS = 3
+#: how long a step waits for requests being submitted when it starts (their tokenization)
+ARRIVAL_WAIT_S = 0.01
 
 
 class Engine:
@@ -61,6 +64,8 @@ class Engine:
         self._task_group: anyio.abc.TaskGroup | None = None
         self._closed = False
         self._dead: EngineDeadError | None = None
+        self._submitting = 0  # submissions being tokenized
+        self._submitted = anyio.Event()
 
     # --- lifecycle ---------------------------------------------------------------------
     async def __aenter__(self) -> Engine:
@@ -115,6 +120,13 @@ class Engine:
         with_draft = self._session.draft_context is not None
         self._scheduler = Scheduler(cfg, self._model.info.eog_tokens, fingerprint, self.metrics)
         self._inputs = InputProcessor(self._model, cfg.n_ctx, fingerprint, with_draft)
+        policy = self._scheduler.policy
+        if spec.type != "none" and policy.adaptive:
+            # the cost model the draft policy weighs drafts with, measured on this machine
+            max_rows = min(cfg.n_batch, cfg.n_seq * (1 + spec.n_draft_max))
+            policy.cost.calibrate(
+                _target_timer(self._session.target_context, cfg.n_seq, uniform=not cfg.unified_kv), max_rows
+            )
 
     async def close(self) -> None:
         """End what is in flight (``abort``), stop the step loop, free the models, join the
@@ -227,19 +239,24 @@ class Engine:
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         scheduler.check_admissible(request_id)
-        request = await inputs.request(
-            request_id,
-            prompt,
-            params,
-            resume_from=resume_from,
-            priority=priority,
-            want_checkpoint=want_checkpoint,
-            arrival_index=next(self._arrivals),
-        )
-        scheduler, _ = self._require_serving()  # it may have closed while tokenizing
-        if stream:
-            request.open_stream(self.config.stream_buffer)
-        scheduler.add(request)
+        self._submitting += 1
+        try:
+            request = await inputs.request(
+                request_id,
+                prompt,
+                params,
+                resume_from=resume_from,
+                priority=priority,
+                want_checkpoint=want_checkpoint,
+                arrival_index=next(self._arrivals),
+            )
+            scheduler, _ = self._require_serving()  # it may have closed while tokenizing
+            if stream:
+                request.open_stream(self.config.stream_buffer)
+            scheduler.add(request)
+        finally:
+            self._submitting -= 1
+            self._submitted.set()
         self._wakeup.set()
         return request
 
@@ -268,9 +285,12 @@ class Engine:
                     if plan.empty:
                         await self._wait_for_work()
                         continue
-                    result = await runtime.wait(self._runner.step_async(plan.native()))
+                    cost = scheduler.policy.cost
+                    native = plan.native(not self.config.unified_kv, cost.align, cost.align_from)
+                    result = await runtime.wait(self._runner.step_async(native))
                     scheduler.update(plan, result)
                     faults = 0
+                    await self._let_callers_submit()
                 except ClosedError:
                     raise  # the native thread is gone
                 except Exception as exc:  # noqa: BLE001 - the step's requests fail, the engine goes on
@@ -299,6 +319,18 @@ class Engine:
             scheduler.redo_boundary(plan)
         scheduler.fail_requests(touched, exc)
 
+    async def _let_callers_submit(self) -> None:
+        """Between steps: let the callers woken by this step run, and wait (briefly) for the
+        requests they are submitting, so that a slot freed by a finished request is refilled
+        in the next step rather than the one after (the prompt is tokenized on the native
+        thread, which is idle now)."""
+        await anyio.sleep(0)
+        if self._submitting:
+            with anyio.move_on_after(ARRIVAL_WAIT_S):
+                while self._submitting:
+                    self._submitted = anyio.Event()
+                    await self._submitted.wait()
+
     async def _wait_for_work(self) -> None:
         await self._wakeup.wait()
         self._wakeup = anyio.Event()
@@ -322,6 +354,33 @@ class Engine:
         assert self._session is not None
         ctx = self._session.target_context
         return await anyio.to_thread.run_sync(lambda: [ctx.seq_pos_max(s) for s in range(self.config.n_seq)])
+
+
+def _target_timer(ctx: Context, n_seq: int, uniform: bool) -> Callable[[int, int], float]:
+    """``time(rows, prompt)``: seconds of one target decode with ``rows`` rows that need
+    logits, spread over the sequences as the engine spreads them (evenly with per-sequence
+    KV streams), or of a ``prompt``-token chunk ending in one such row; every sequence is
+    emptied afterwards."""
+    token = 1
+
+    def time_decode(rows: int, prompt: int) -> float:
+        b = Batch()
+        if prompt:  # a prompt chunk whose last token needs logits
+            b.add_sequence([token] * (prompt + rows), 0, 0, logits="last")
+        else:
+            n_used = min(rows, n_seq)
+            for s in range(n_used):
+                for i in range(-(-rows // n_used) if uniform else rows // n_used + (s < rows % n_used)):
+                    b.add(token, i, s, True)
+        try:
+            t0 = time.perf_counter()
+            ctx.decode(b)
+            return time.perf_counter() - t0
+        finally:
+            for s in set(b.seq):  # (per-sequence streams cannot remove every sequence at once)
+                ctx.kv_remove(s)
+
+    return time_decode
 
 
 class RequestStream:

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from .. import _nb_spec
-from .policy import DraftPolicy
+from .policy import Drafting, DraftPolicy
 from .request import Request, RequestState
 
 __all__ = ["Plan", "SlotTable", "WaitQueue", "WorkItem", "plan_step"]
@@ -74,6 +74,7 @@ class WorkItem:
     sample: bool  #: sample after the last token (a decode entry or a prompt's last chunk)
     n_draft: int  #: drafts it may verify this step
     begin: bool  #: the prompt's last chunk: the drafter begins its generation
+    max_draft: int = 0  #: draft rows it could take (fillers that align the batch included)
 
 
 @dataclass
@@ -97,8 +98,13 @@ class Plan:
         touched = {id(r): r for r in (*self.captures, *self.admitted, *(w.request for w in self.work))}
         return list(touched.values())
 
-    def native(self) -> _nb_spec.StepPlan:
+    def native(
+        self, uniform_drafts: bool = False, output_align: int = 1, align_from: int = 0
+    ) -> _nb_spec.StepPlan:
         p = _nb_spec.StepPlan()
+        p.uniform_drafts = uniform_drafts
+        p.output_align = output_align
+        p.align_from = align_from
         for slot, n_accepted in self.settles:
             p.settle(slot, n_accepted)
         for r in self.captures:
@@ -118,7 +124,7 @@ class Plan:
             )
         for w in self.work:
             assert w.request.slot is not None
-            p.work(w.request.slot, w.tokens, w.pos0, w.sample, w.n_draft, w.begin)
+            p.work(w.request.slot, w.tokens, w.pos0, w.sample, w.n_draft, w.begin, w.max_draft)
         return p
 
 
@@ -138,34 +144,40 @@ def plan_step(
     Decoding sequences come first (one verification each: ``[last, drafts...]``), prompt
     chunks fill what is left, so a long prompt never stalls the streams that are running;
     while prompts wait, ``prefill_reserve`` tokens stay free for them (fewer drafts). The
-    policy decides how many drafts pay for themselves (all of ``n_draft_max`` without one).
+    policy chooses the draft lengths of all decoding sequences together (all of
+    ``n_draft_max`` without one); one sequence probes now and then.
     """
     policy = policy or DraftPolicy(adaptive=False)
     decoding = [r for r in running if r.state is RequestState.DECODE]
     prefilling = [r for r in running if r.state is RequestState.PREFILL and r.to_prefill]
-    budget = n_batch
     reserve = min(prefill_reserve, n_batch // 2) if prefilling else 0
-    work: list[WorkItem] = []
-    n_dec = len(decoding)
-    for i, r in enumerate(decoding):
-        assert r.last is not None
-        n_draft = 0
-        if speculative:
-            # room left in the sequence's context, in the request's max_tokens, in the batch
-            remaining = r.params.max_tokens - len(r.output_ids) - 1
-            share = (budget - reserve - (n_dec - i - 1)) - 1  # keep one token for each later stream
-            wanted = policy.n_draft(
-                max_k=n_draft_max,
-                accepted=r.metrics.accepted,
-                drafted=r.metrics.drafted,
-                n_decoding=n_dec,
-                step=step + i,
+    n_dec = min(len(decoding), n_batch)
+    decoding = decoding[:n_dec]
+    ks = [0] * n_dec
+    if speculative and n_dec:
+        probe = step // policy.probe_every % n_dec if step % policy.probe_every == 0 else -1
+        seqs = [
+            Drafting(
+                r.draft_stats,
+                max(0, min(n_draft_max, n_ctx - r.n_past - 2, r.params.max_tokens - len(r.output_ids) - 1)),
+                probe=i == probe,
             )
-            n_draft = max(0, min(wanted, n_ctx - 1 - r.n_past - 1, remaining, share))
-        if budget < 1:
-            break
-        work.append(WorkItem(r, [r.last], r.n_past, True, n_draft, False))
-        budget -= 1 + n_draft
+            for i, r in enumerate(decoding)
+        ]
+        ks = policy.lengths(seqs)
+        room = max(0, n_batch - reserve - n_dec)  # draft rows that fit beside the prompts
+        while sum(ks) > room:  # shorten the longest drafts first
+            longest = max(range(n_dec), key=lambda i: ks[i])
+            if policy.uniform:
+                ks = [k - 1 for k in ks]
+            else:
+                ks[longest] -= 1
+    caps = [s.max_k for s in seqs] if speculative and n_dec else [0] * n_dec
+    work = [
+        WorkItem(r, [r.last], r.n_past, True, k, False, cap)  # type: ignore[list-item]
+        for r, k, cap in zip(decoding, ks, caps, strict=True)
+    ]
+    budget = n_batch - n_dec - sum(ks)
     for r in prefilling:
         if budget <= 0:
             break

@@ -1,93 +1,322 @@
-"""How many tokens each sequence drafts: as many as pay for themselves.
+"""How much each sequence drafts: as many tokens as raise the step's throughput.
 
-Every drafted token is verified by the target, and on a compute-bound machine (a CPU, or a
-big batch on a GPU) each verified position costs almost a full token of target compute — on
-Gemma 3 270M its 262k-token output projection dominates. Drafting k tokens with per-token
-acceptance alpha yields E(k) = 1 + alpha + ... + alpha^k tokens per verification, at a cost
-of (base + 1 + k) token-equivalents, where ``base`` is the step's fixed cost (weights,
-graph, sampling) shared by the B sequences of the batch. The policy picks, per sequence,
-the k that maximises E(k) / (base/B + 1 + k): long drafts for sequences whose drafts are
-accepted, none for those whose drafts are not, fewer as the batch grows.
+Every drafted token is one more row of the target batch that needs logits, and on a
+compute-bound machine (a CPU, or a big batch on a GPU) such a row costs almost a full
+token: on Gemma 3 270M its 262k-token output projection dominates. A step's worth is the
+tokens it emits; its cost is its time. The policy therefore picks, for the whole batch at
+once, the draft lengths that maximise
 
-``base`` is learned online from the steps' decode times (t = a + c * tokens, base = a / c);
-``alpha`` per request from its own accepted/drafted counts, starting from a neutral prior.
-A sequence that stopped drafting probes with one token every ``probe_every`` steps.
+    expected emitted tokens / expected step time
 
-With per-sequence KV streams (``unified_kv=False``) llama.cpp runs a step whose sequences
-have different row counts as several passes, each costing the full fixed cost: there the
-adaptive policy drafts only while a single sequence is decoding.
+where
+
+- the step time comes from a :class:`StepCost` model measured on this machine: a short
+  calibration at start (target decodes of 1, 2, 4, ... rows that need logits, and a prompt
+  chunk) refined online from every step, plus the draft call's own time per drafted
+  position, learned per drafter (an n-gram lookup costs nothing, a draft model a pass per
+  position);
+- the expected tokens come from :class:`DraftStats`: per draft position, how often a
+  request's drafter produced a token there and how often the target accepted it, for the
+  request itself and, as a prior that a fresh request inherits rather than pays for, for
+  the whole engine (both weigh recent steps more).
+
+Drafting nothing for the whole batch is one of the choices: when drafts cannot pay for
+their rows, a step costs exactly what it costs without speculation. A request whose
+drafts stopped paying still probes with one token now and then, so it drafts again when
+its acceptance rises.
+
+With per-sequence KV streams (``kv_unified=False``) llama.cpp decodes a step in one pass
+only when every sequence has the same number of rows: there the policy chooses one draft
+length for every decoding sequence (and the step trims every draft to the shortest).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import bisect
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
-__all__ = ["DraftPolicy"]
+__all__ = ["DraftPolicy", "DraftStats", "StepCost"]
+
+
+@dataclass
+class _Line:
+    """y = a + b * x by least squares, each new point weighing 1 / decay times the last."""
+
+    decay: float = 0.98
+    w: float = 0.0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        d = self.decay
+        self.w, self.sx, self.sy = self.w * d + 1, self.sx * d + x, self.sy * d + y
+        self.sxx, self.sxy = self.sxx * d + x * x, self.sxy * d + x * y
+
+    def __call__(self, x: float) -> float:
+        if self.w <= 0:
+            return 0.0
+        mx, my = self.sx / self.w, self.sy / self.w
+        var = self.sxx / self.w - mx * mx
+        b = (self.sxy / self.w - mx * my) / var if var > 1e-12 else 0.0
+        return my + b * (x - mx)
+
+
+@dataclass
+class DraftStats:
+    """Per draft position m = 1, 2, ...: how often a draft was requested there, how often the
+    drafter produced a token there, how often the target accepted it. ``decay`` < 1 weighs
+    recent steps more (1: plain counts)."""
+
+    decay: float = 1.0
+    requested: list[float] = field(default_factory=list)
+    produced: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+
+    def record(self, requested: int, produced: int, accepted: int) -> None:
+        """One verification: ``requested`` draft positions, ``produced`` of them drafted,
+        the first ``accepted`` of those accepted."""
+        if requested <= 0:
+            return
+        n = max(requested, len(self.requested))
+        for seq in (self.requested, self.produced, self.accepted):
+            seq.extend([0.0] * (n - len(seq)))
+            if self.decay < 1.0:
+                for i in range(n):
+                    seq[i] *= self.decay
+        for m in range(requested):
+            self.requested[m] += 1.0
+            self.produced[m] += m < produced
+            self.accepted[m] += m < accepted
+
+    def rates(self, m: int, prior: tuple[float, float], weight: float) -> tuple[float, float]:
+        """(P(a token is produced at position m), P(it is produced and accepted)), both given
+        that position m is requested; ``prior`` is what a request with no history gets."""
+        i = m - 1
+        req = self.requested[i] if i < len(self.requested) else 0.0
+        prod = self.produced[i] if i < len(self.produced) else 0.0
+        acc = self.accepted[i] if i < len(self.accepted) else 0.0
+        return (prod + weight * prior[0]) / (req + weight), (acc + weight * prior[1]) / (req + weight)
+
+
+@dataclass
+class StepCost:
+    """Step time on this machine, in seconds.
+
+    ``target(rows, prompt)``: the target decode of ``rows`` rows that need logits (one per
+    decoding sequence plus its drafts) and ``prompt`` prompt tokens without logits.
+    ``draft(k, n)``: a draft call of up to ``k`` positions for ``n`` sequences.
+
+    The rows curve is measured, not assumed: on a CPU the output projection's kernels take
+    rows in tiles of four, and a partial tile costs almost a whole one (Gemma 3 270M, 2
+    cores: 16 rows 72 ms, 17 rows 89 ms, 20 rows 86 ms). So the curve is a table for the
+    first rows, then whole tiles (interpolated between measured points) plus the measured
+    price of a partial tile; ``align`` is the tile (1 where there is no such step).
+    """
+
+    small: list[float] = field(default_factory=list)  #: seconds for 1, 2, ... rows
+    tiles: list[tuple[int, float]] = field(default_factory=list)  #: (rows, seconds), whole tiles
+    partial: list[float] = field(default_factory=lambda: [0.0])  #: extra seconds for r rows past a tile
+    align: int = 1
+    align_from: int = 0  #: from this many rows on, padding to a whole tile never costs more
+    prompt_token: float = 0.0  #: seconds per prompt token
+    #: observed ÷ predicted, recent steps weighing more: what the calibration (short
+    #: histories, an idle machine) does not see, such as attention over long histories
+    scale: float = 1.0
+    #: a draft call's seconds per drafted position (draft passes are sequential), against
+    #: the sequences drafting: a least-squares line over recent calls
+    draft_fit: _Line = field(default_factory=lambda: _Line(decay=0.98))
+    learning_rate: float = 0.05
+
+    @property
+    def calibrated(self) -> bool:
+        return bool(self.small)
+
+    def calibrate(self, measure: Callable[[int, int], float], max_rows: int) -> None:
+        """Measure target decodes of 1, 2, 4, 5, 8, 16 and 32 rows (up to ``max_rows``;
+        3, 6, 7 interpolated, more extrapolated) and one prompt chunk; ``measure(rows,
+        prompt)`` returns seconds; each is measured twice (the first run of a shape allocates).
+        0.3 to 0.8 s for Gemma 3 270M on 2 cores."""
+
+        def best_of_two(rows: int, prompt: int = 0) -> float:  # (the first of a shape allocates)
+            return min(measure(rows, prompt), measure(rows, prompt))
+
+        got = {r: best_of_two(r) for r in (1, 2, 4, 5, 8) if r <= max_rows}
+        tile = 4
+        if 8 in got:
+            per_row = (got[8] - got[4]) / tile
+            first = got[5] - got[4]  # a partial tile's first row
+            self.align = tile if first > 1.5 * per_row else 1
+            self.partial = [0.0, first, first + per_row, first + 2 * per_row] if self.align > 1 else [0.0]
+
+        def between(r: int) -> float:  # a row count that was not measured
+            if self.align > 1 and r > 4 and 4 in got:
+                return got[4] + self.partial[r - 4]
+            lo = max(x for x in got if x < r)
+            hi = min((x for x in got if x > r), default=lo)
+            return got[lo] if hi == lo else got[lo] + (got[hi] - got[lo]) * (r - lo) / (hi - lo)
+
+        self.small = [got[r] if r in got else between(r) for r in range(1, min(max_rows, 8) + 1)]
+        self.tiles = [(r, got[r]) for r in (4, 8) if r in got]
+        self.tiles += [(r, best_of_two(r)) for r in (16, 32) if r <= max_rows]
+        chunk = 32
+        self.prompt_token = max(0.0, (best_of_two(1, chunk) - self.small[0]) / chunk)
+        misaligned = [n for n in range(1, 33) if n % self.align]
+        ok = [
+            all(self._curve(self._whole(m)) <= self._curve(m) for m in misaligned if m >= n)
+            for n in range(1, 34)
+        ]
+        self.align_from = next((n for n in range(1, 34) if ok[n - 1]), 0) if self.align > 1 else 0
+
+    def _whole(self, rows: int) -> int:
+        return -(-rows // self.align) * self.align
+
+    def _curve(self, rows: int) -> float:
+        if rows <= len(self.small):
+            return self.small[max(rows, 1) - 1]
+        whole = rows // self.align * self.align
+        return self._tiles(whole) + self.partial[rows - whole]
+
+    def _tiles(self, rows: float) -> float:
+        t = self.tiles
+        if len(t) < 2:
+            return self.small[-1] * rows / len(self.small)
+        i = min(max(bisect.bisect_left([x for x, _ in t], rows), 1), len(t) - 1)
+        (x0, y0), (x1, y1) = t[i - 1], t[i]
+        return y0 + (y1 - y0) * (rows - x0) / (x1 - x0)
+
+    def target(self, rows: float, prompt: int = 0) -> float:
+        if not self.calibrated:
+            return rows + 0.4 * prompt  # uncalibrated: a token is a token
+        return self.scale * (self._interpolate(rows) + prompt * self.prompt_token)
+
+    def _interpolate(self, rows: float) -> float:
+        lo = int(rows)
+        frac = rows - lo
+        y = self._curve(max(lo, 1))
+        return max(y + (self._curve(lo + 1) - y) * frac if frac else y, 1e-9)
+
+    def observe(self, rows: int, prompt: int, seconds: float) -> None:
+        """A target decode as it ran: move the scale towards it."""
+        if self.calibrated and rows > 0 and seconds > 0:
+            ratio = seconds / (self._interpolate(rows) + prompt * self.prompt_token)
+            self.scale += self.learning_rate * (ratio - self.scale)
+
+    def draft(self, k: int, n: int) -> float:
+        return k * max(self.draft_fit(n), 0.0) if k > 0 and n > 0 else 0.0
+
+    def observe_draft(self, k: int, n: int, seconds: float) -> None:
+        if k > 0 and n > 0 and seconds >= 0:
+            self.draft_fit.add(n, seconds / k)
+
+
+@dataclass
+class Drafting:
+    """One decoding sequence as the policy sees it."""
+
+    stats: DraftStats  #: the request's own
+    max_k: int  #: most drafts it may verify this step (context, max_tokens, batch room)
+    probe: bool = False  #: draft one token even when it does not pay (its stats are stale)
 
 
 @dataclass
 class DraftPolicy:
+    """Chooses every decoding sequence's draft length for one step (see the module)."""
+
     adaptive: bool = True
-    unified_kv: bool = True
-    prior_alpha: float = 0.6
-    prior_weight: float = 4.0
-    default_base: float = 4.0
-    probe_every: int = 16
-    decay: float = 0.97
-    # exponentially weighted sums for the step-cost regression
-    _w: float = 0.0
-    _sn: float = 0.0
-    _st: float = 0.0
-    _snn: float = 0.0
-    _snt: float = 0.0
+    uniform: bool = False  #: one length for every sequence (per-sequence KV streams)
+    cost: StepCost = field(default_factory=StepCost)
+    engine: DraftStats = field(default_factory=lambda: DraftStats(decay=0.995))
+    prior_weight: float = 3.0  #: how many verifications the engine-wide prior is worth
+    #: drafts must beat drafting nothing by this much (the cost model is ~10 % accurate step
+    #: to step: in the marginal region a guess is a coin toss, and a loss is what we avoid)
+    margin: float = 0.05
+    probe_every: int = 32
 
-    def observe_step(self, n_tokens: int, t_decode_us: float) -> None:
-        if n_tokens <= 0 or t_decode_us <= 0:
-            return
-        d = self.decay
-        self._w = self._w * d + 1.0
-        self._sn = self._sn * d + n_tokens
-        self._st = self._st * d + t_decode_us
-        self._snn = self._snn * d + n_tokens * n_tokens
-        self._snt = self._snt * d + n_tokens * t_decode_us
+    def prior(self, m: int) -> tuple[float, float]:
+        """Engine-wide rates at position m (optimistic before anything was measured)."""
+        return self.engine.rates(m, (1.0, 0.6), 2.0)
 
-    @property
-    def base(self) -> float:
-        """The step's fixed cost in token-equivalents (a / c of t = a + c * tokens)."""
-        w = self._w
-        if w < 4:
-            return self.default_base
-        mean_n, mean_t = self._sn / w, self._st / w
-        var = self._snn / w - mean_n * mean_n
-        if var < 1.0:
-            return self.default_base
-        c = (self._snt / w - mean_n * mean_t) / var
-        if c <= 0:
-            return self.default_base
-        a = mean_t - c * mean_n
-        return min(max(a / c, 0.5), 256.0)
-
-    def alpha(self, accepted: int, drafted: int) -> float:
-        return (accepted + self.prior_alpha * self.prior_weight) / (drafted + self.prior_weight)
-
-    def n_draft(self, *, max_k: int, accepted: int, drafted: int, n_decoding: int, step: int) -> int:
-        """Draft length for one sequence this step."""
-        if max_k <= 0:
-            return 0
+    def lengths(self, seqs: Sequence[Drafting]) -> list[int]:
+        """Draft lengths for the decoding sequences of one step."""
+        if not seqs:
+            return []
         if not self.adaptive:
-            return max_k
-        if not self.unified_kv and n_decoding > 1:
-            return 0
-        alpha = self.alpha(accepted, drafted)
-        share = self.base / max(n_decoding, 1)
-        best_k, best = 0, 1.0 / (share + 1.0)
-        expected, p = 1.0, 1.0
-        for k in range(1, max_k + 1):
-            p *= alpha
-            expected += p
-            value = expected / (share + 1.0 + k)
+            return [s.max_k for s in seqs]
+        rates = [
+            [s.stats.rates(m, self.prior(m), self.prior_weight) for m in range(1, s.max_k + 1)] for s in seqs
+        ]
+        ks = self._uniform(seqs, rates) if self.uniform else self._best(seqs, rates)
+        return [
+            max(k, 1 if s.probe and s.max_k > 0 and not self.uniform else 0)
+            for k, s in zip(ks, seqs, strict=True)
+        ]
+
+    def _value(self, gain: float, rows: float, k_max: int, n_drafting: int, n: int) -> float:
+        # (a prompt chunk in the same step costs the same with or without drafts, and its
+        # work is worth as much: it is left out, or it would make drafts look cheap)
+        return (n + gain) / (self.cost.target(n + rows) + self.cost.draft(k_max, n_drafting))
+
+    def _best(self, seqs: Sequence[Drafting], rates: list[list[tuple[float, float]]]) -> list[int]:
+        # candidates (sequence, position), the best expected accepted token first; a
+        # sequence's positions come in order (ranked by the running minimum of their rates)
+        cands = []
+        for i, r in enumerate(rates):
+            floor = 1.0
+            for m, (_, acc) in enumerate(r, start=1):
+                floor = min(floor, acc)
+                cands.append((floor, -m, i))
+        cands.sort(reverse=True)
+        n = len(seqs)
+        ks = [0] * n
+        best_ks, best = list(ks), self._value(0.0, 0.0, 0, 0, n) * (1.0 + self.margin)
+        gain = rows = 0.0
+        k_max = n_drafting = 0
+        for _, neg_m, i in cands:
+            m = -neg_m
+            ks[i] = m
+            prod, acc = rates[i][m - 1]
+            gain += acc
+            rows += prod
+            k_max = max(k_max, m)
+            n_drafting += m == 1
+            value = self._value(gain, rows, k_max, n_drafting, n)
             if value > best:
-                best, best_k = value, k
-        if best_k == 0 and step % self.probe_every == 0:
-            return 1  # keep measuring: acceptance may have changed
-        return best_k
+                best, best_ks = value, list(ks)
+        return best_ks
+
+    def _uniform(self, seqs: Sequence[Drafting], rates: list[list[tuple[float, float]]]) -> list[int]:
+        # every sequence gets k rows of drafts (drafts are trimmed to the shortest produced):
+        # a sequence's position m counts only when every sequence produced a token there
+        n, k_cap = len(seqs), min(s.max_k for s in seqs)
+        best_k, best = 0, self._value(0.0, 0.0, 0, 0, n) * (1.0 + self.margin)
+        gain = rows = 0.0
+        for m in range(1, k_cap + 1):
+            produced = [max(rates[i][m - 1][0], 1e-9) for i in range(n)]
+            every = math.prod(produced)  # P(every sequence drafted position m)
+            gain += sum(rates[i][m - 1][1] * every / produced[i] for i in range(n))
+            rows += n * every
+            value = self._value(gain, rows, m, n, n)
+            if value > best:
+                best, best_k = value, m
+        return [best_k] * n
+
+    # --- learning ----------------------------------------------------------------------
+    def observe_step(
+        self,
+        rows: int,
+        prompt: int,
+        t_decode_s: float,
+        k_max: int,
+        n_drafting: int,
+        t_draft_s: float,
+    ) -> None:
+        self.cost.observe(rows, prompt, t_decode_s)
+        self.cost.observe_draft(k_max, n_drafting, t_draft_s)
+
+    def observe_verification(self, stats: DraftStats, requested: int, produced: int, accepted: int) -> None:
+        stats.record(requested, produced, accepted)
+        self.engine.record(requested, produced, accepted)

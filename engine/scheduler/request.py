@@ -13,6 +13,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from .errors import UnknownRequestError
 from .output import FinishReason, TextAssembler
 from .params import SamplingParams
+from .policy import DraftStats
 
 __all__ = [
     "CheckpointWaiter",
@@ -163,6 +164,8 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     text: TextAssembler = field(init=False)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    #: its drafts by position, recent verifications weighing more (the draft policy reads it)
+    draft_stats: DraftStats = field(default_factory=lambda: DraftStats(decay=0.95))
     finish_reason: str | None = None
     error: BaseException | None = None
     final_checkpoint: bytes | None = None

@@ -83,7 +83,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.slots = SlotTable(config.n_seq)
         self.waiting = WaitQueue()
-        self.policy = DraftPolicy(adaptive=config.draft_policy == "adaptive", unified_kv=config.unified_kv)
+        self.policy = DraftPolicy(adaptive=config.draft_policy == "adaptive", uniform=not config.unified_kv)
         self._eog = tuple(eog_tokens)
         self._settles: dict[int, int] = {}  # slot -> drafts kept, settled at the next boundary
         self._to_clear: list[int] = []  # slots given back, cleared at the next boundary
@@ -242,6 +242,12 @@ class Scheduler:
             self._settles[r.slot] = outcome.keep - 1  # a stop inside accepted drafts
             self.metrics.cut_tokens += len(out.tokens) - outcome.keep
         kept_drafts = outcome.keep - 1
+        if out.drafted < out.produced:  # the step dropped a partial tile: later positions unseen
+            self.policy.observe_verification(r.draft_stats, out.drafted, out.drafted, out.accepted)
+        else:  # (fillers past what the drafter produced may be accepted too: not its merit)
+            self.policy.observe_verification(
+                r.draft_stats, w.n_draft, out.produced, min(out.accepted, out.produced)
+            )
         m = self.metrics
         r.metrics.drafted += out.drafted
         r.metrics.accepted += kept_drafts
@@ -282,8 +288,17 @@ class Scheduler:
         m.draft_calls += result.n_draft_calls
         m.max_decode_calls_per_step = max(m.max_decode_calls_per_step, result.n_decode_calls)
         m.max_draft_calls_per_step = max(m.max_draft_calls_per_step, result.n_draft_calls)
-        if result.n_decode_calls == 1:
-            self.policy.observe_step(result.n_batch_tokens, result.t_decode_us)
+        if result.n_decode_calls == 1:  # (several: a batch over n_batch, or a retry)
+            rows = sum(1 + out.drafted for out in result.outputs)  # the rows that needed logits
+            produced = [out.produced for out in result.outputs if out.produced]
+            self.policy.observe_step(
+                rows,
+                result.n_batch_tokens - rows,
+                result.t_decode_us / 1e6,
+                max(produced, default=0),
+                len(produced),
+                result.t_draft_us / 1e6,
+            )
         m.batch_tokens += result.n_batch_tokens
         if result.draft_error:
             m.draft_failures += 1
