@@ -33,7 +33,7 @@ import signal
 import socket
 import subprocess
 import sys
-import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,9 +41,24 @@ from typing import Any
 import httpx
 
 from engine import EngineConfig, SpeculativeConfig
-from engine.bench import BenchResult, load_prompts, machine_info, percentile, run_load
+from engine.bench import (
+    BenchResult,
+    Send,
+    closed_loop,
+    default_requests,
+    load_prompts,
+    machine_info,
+    medians,
+    percentile,
+    run_load,
+    speedups,
+)
+from engine.cli import DEFAULT_N_DRAFT, DEFAULT_NGRAM_N
 from engine.scheduler.params import default_model_path
 from engine.session import Model, Runtime
+
+#: each request's generated tokens (None: not run)
+Outputs = list[list[int] | None]
 
 ROOT = Path(__file__).resolve().parent.parent
 REF_BIN = ROOT / "build" / "reference" / "bin"
@@ -115,46 +130,43 @@ def server_command(s: Setup, n: int, spec: str, port: int) -> list[str]:
     return cmd
 
 
-async def _server_request(client: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-    body = {
-        "prompt": prompt,
-        "n_predict": max_tokens,
-        "temperature": 0.0,
-        "top_k": 1,
-        "ignore_eos": True,
-        "cache_prompt": False,
-        "stream": True,
-        "return_tokens": True,
-    }
-    t0 = time.perf_counter()
-    tokens: list[int] = []
-    arrivals: list[tuple[float, int]] = []  # (time, tokens) per server event
-    timings: dict[str, Any] = {}
-    async with client.stream("POST", "/completion", json=body) as resp:
-        resp.raise_for_status()
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            chunk = json.loads(line[6:])
-            new = chunk.get("tokens") or []
-            if new:
-                arrivals.append((time.perf_counter(), len(new)))
+def _server_send(
+    client: httpx.AsyncClient, requests: list[list[int]], outputs: Outputs, stats: dict[str, int]
+) -> Send:
+    async def send(i: int, max_tokens: int) -> AsyncIterator[list[int]]:
+        body = {
+            "prompt": requests[i],
+            "n_predict": max_tokens,
+            "temperature": 0.0,
+            "top_k": 1,
+            "ignore_eos": True,
+            "cache_prompt": False,
+            "stream": True,
+            "return_tokens": True,
+        }
+        tokens: list[int] = []
+        timings: dict[str, Any] = {}
+        async with client.stream("POST", "/completion", json=body) as resp:
+            resp.raise_for_status()
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                chunk = json.loads(line[6:])
+                new = chunk.get("tokens") or []
                 tokens += new
-            timings = chunk.get("timings") or timings
-    # the server sends the tokens of one verification as back-to-back events; like our
-    # deltas, a burst counts as one arrival whose gap is shared by its tokens
-    bursts: list[list[float]] = []
-    for t, n in arrivals:
-        if bursts and t - bursts[-1][0] < 0.002:
-            bursts[-1] = [t, bursts[-1][1] + n]
-        else:
-            bursts.append([t, n])
-    ttft = bursts[0][0] - t0 if bursts else None
-    itl = [(b[0] - a[0]) / b[1] for a, b in zip(bursts, bursts[1:], strict=False)]
-    return {"tokens": tokens, "ttft": ttft, "itl": itl, "e2e": time.perf_counter() - t0, "timings": timings}
+                timings = chunk.get("timings") or timings
+                yield new  # (one verification's tokens come as back-to-back events: one burst)
+        outputs[i] = tokens
+        stats["drafted"] += int(timings.get("draft_n", 0))
+        stats["accepted"] += int(timings.get("draft_n_accepted", 0))
+
+    return send
 
 
-async def run_server(s: Setup, n: int, spec: str, requests: list[list[int]]) -> tuple[BenchResult, list, str]:
+async def run_server(
+    s: Setup, n: int, spec: str, requests: list[list[int]]
+) -> tuple[BenchResult, Outputs, str]:
+    """llama-server with ``-np N``, driven by the same closed loop as our engine."""
     port = _free_port()
     cmd = server_command(s, n, spec, port)
     log = open(ROOT / "build" / "reference" / f"server-{spec}-{n}.log", "w")  # noqa: SIM115
@@ -175,22 +187,15 @@ async def run_server(s: Setup, n: int, spec: str, requests: list[list[int]]) -> 
                 if proc.poll() is not None:
                     raise RuntimeError(f"llama-server exited ({proc.returncode}); see {log.name}")
                 await asyncio.sleep(0.2)
-            await _server_request(client, requests[0], 4)  # warm-up
-            result = BenchResult(n, spec, 0, 0, 0.0)
             outputs: list[list[int] | None] = [None] * len(requests)
-            queue = iter(range(len(requests)))
-
-            async def worker() -> None:
-                for i in queue:
-                    r = await _server_request(client, requests[i], s.max_tokens)
-                    outputs[i] = r["tokens"]
-                    result.record(len(r["tokens"]), r["ttft"], r["itl"], r["e2e"])
-                    result.drafted += int(r["timings"].get("draft_n", 0))
-                    result.accepted += int(r["timings"].get("draft_n_accepted", 0))
-
-            start = time.perf_counter()
-            await asyncio.gather(*(worker() for _ in range(n)))
-            result.seconds = time.perf_counter() - start
+            stats = {"drafted": 0, "accepted": 0}
+            send = _server_send(client, requests, outputs, stats)
+            async for _ in send(0, 4):  # warm-up
+                pass
+            outputs[0], stats["drafted"], stats["accepted"] = None, 0, 0
+            result = await closed_loop(n, len(requests), s.max_tokens, send)
+            result.speculative = spec
+            result.drafted, result.accepted = stats["drafted"], stats["accepted"]
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -202,7 +207,7 @@ async def run_server(s: Setup, n: int, spec: str, requests: list[list[int]]) -> 
 
 
 # --- 3. our engine --------------------------------------------------------------------
-async def run_ours(s: Setup, n: int, spec: str, requests: list[list[int]]) -> tuple[BenchResult, list]:
+async def run_ours(s: Setup, n: int, spec: str, requests: list[list[int]]) -> tuple[BenchResult, Outputs]:
     config = EngineConfig(
         model=s.model,
         speculative=SpeculativeConfig(
@@ -240,7 +245,7 @@ def llama_cpp_python_ready() -> bool:
     )
 
 
-def run_llama_cpp_python(s: Setup, spec: str, requests: list[list[int]]) -> tuple[BenchResult, list, str]:
+def run_llama_cpp_python(s: Setup, spec: str, requests: list[list[int]]) -> tuple[BenchResult, Outputs, str]:
     job = {
         "model": s.model,
         "prompts": requests,
@@ -259,9 +264,12 @@ def run_llama_cpp_python(s: Setup, spec: str, requests: list[list[int]]) -> tupl
 
 
 # --- report ---------------------------------------------------------------------------
-def agreement(a: list, b: list) -> float:
+def agreement(a: Outputs, b: Outputs) -> float:
+    """Share of requests whose tokens agree (over the shorter one: the closed loop's ramp
+    requests may have different lengths on the two sides)."""
     pairs = [(x, y) for x, y in zip(a, b, strict=True) if x is not None and y is not None]
-    return sum(x == y for x, y in pairs) / len(pairs) if pairs else float("nan")
+    same = [x[: min(len(x), len(y))] == y[: min(len(x), len(y))] for x, y in pairs]
+    return sum(same) / len(same) if same else float("nan")
 
 
 def _ratio(a: float, b: float | None) -> str:
@@ -305,22 +313,114 @@ def portable(command: str, model: str) -> str:
     return command.replace(model, Path(model).name).replace(str(ROOT) + "/", "")
 
 
+def _x(t: tuple[float, float, float]) -> str:
+    return f"**{t[0]:.2f}** [{t[1]:.2f}, {t[2]:.2f}]"
+
+
+def speculation_table(sections: list[dict[str, Any]]) -> list[str]:
+    """Speculation on ÷ off for us and llama-server, and us ÷ llama-server with it on: the
+    median of the interleaved repeats' paired ratios [min, max]."""
+    lines = [
+        "| prompts | N | ours off | ours on | ours on ÷ off | drafted / accepted | server off "
+        "| server on | server on ÷ off | ours ÷ server, on |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for sec in sections:
+        rows = {(r["n"], r["spec"]): r for r in sec["rows"]}
+        ours_up = {(n, sp): (m, lo, hi) for n, sp, m, lo, hi in sec["speedups_ours"]}
+        srv_up = {(n, sp): (m, lo, hi) for n, sp, m, lo, hi in sec["speedups_server"]}
+        for (n, spec), r in rows.items():
+            if spec == "none" or (n, "none") not in rows:
+                continue
+            off = rows[(n, "none")]
+            on = r["ours"]
+            dagger = " †" if on.drafted == 0 else ""
+            lines.append(
+                f"| {sec['prompts']} | {n} | {off['ours'].tokens_per_s:.1f} | {on.tokens_per_s:.1f}{dagger} | "
+                f"{_x(ours_up[(n, spec)])} | {on.drafted} / {on.accepted} | "
+                f"{off['server'].tokens_per_s:.1f} | {r['server'].tokens_per_s:.1f} | "
+                f"{_x(srv_up[(n, spec)])} | {_x(r['vs_server'])} |"
+            )
+    return lines
+
+
+def plot_speculation(sections: list[dict[str, Any]], path: Path) -> None:
+    """tok/s against N, speculation on and off, ours and llama-server, one panel per prompt set."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(sections), figsize=(6.5 * len(sections), 4.5), constrained_layout=True)
+    for ax, sec in zip(axes if len(sections) > 1 else [axes], sections, strict=True):
+        for who, key, style in (("ours", "ours", "-"), ("llama-server", "server", "--")):
+            for spec in dict.fromkeys(r["spec"] for r in sec["rows"]):
+                pts = sorted((r["n"], r[key].tokens_per_s) for r in sec["rows"] if r["spec"] == spec)
+                label = f"{who}, {'speculation off' if spec == 'none' else spec}"
+                ax.plot([n for n, _ in pts], [t for _, t in pts], style, marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ticks = sorted({r["n"] for r in sec["rows"]})
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.set_xlabel("concurrent streams N")
+        ax.set_ylabel("output tokens/s (steady state, median)")
+        ax.set_title(f"{sec['prompts']} prompts")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def update_readme(table: list[str], path: Path = ROOT / "README.md") -> None:
+    """Replace the table between the README's speculation markers."""
+    text = path.read_text()
+    begin, end = "<!-- speculation-table:begin -->", "<!-- speculation-table:end -->"
+    if begin not in text or end not in text:
+        return
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    path.write_text(head + begin + "\n" + "\n".join(table) + "\n" + end + tail)
+
+
 def report(sections: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [
         "# Benchmarks: side by side",
         "",
         f"Measured {meta['date']} on {meta['machine']['cpu']} ({meta['machine']['cores']} cores, "
         f"{meta['machine']['system']}), model `{Path(meta['model']).name}`, {meta['threads']} threads, "
-        f"{meta['requests']} requests per N (at least N), {meta['max_tokens']} generated tokens each "
+        f"{meta['requests']} requests per N, {meta['max_tokens']} generated tokens each "
         "(end-of-generation ignored), greedy, the same prompts sent as the same token ids to "
-        "everyone. One process at a time on the machine.",
+        "everyone, driven the same way: N closed-loop clients (`engine.bench.closed_loop`), each "
+        "sending its next request when its last one ends, with a ramp so that requests end "
+        "spread out rather than in lock-step waves. One process at a time on the machine; "
+        f"{meta['repeats']} interleaved repeats of every row (server, ours, for each speculative "
+        "type in turn), figures are medians.",
         "",
-        "Throughput is generated tokens per second over the whole run (all N streams together); "
+        "Throughput is generated tokens per second in the steady window (every stream busy: "
+        "after the ramp, before the first client runs out of requests), all N streams together; "
         "ratios are ours ÷ the reference (> 1: we are faster). The raw ceiling is "
         "`llama-batched-bench`'s text-generation speed at batch N (the best of 3 runs): one token "
         "per sequence per decode, no sampling, no scheduling, no HTTP. llama-cpp-python answers the same requests "
         "one after another (it serves one stream, without speculation here), so its figure is the "
-        "same at every N.",
+        "same at every N. Both llama.cpp builds are the pinned tree with our patches "
+        "(`vendor/patches/`, including 0003's faster CPU attention for batches of many sequences).",
+        "",
+        "## Speculation",
+        "",
+        "Speculation on ÷ off, each the median of the paired interleaved repeats [min, max]; "
+        "`drafted / accepted` are our engine's draft tokens in the median run. The same "
+        "speculative settings on both sides (n-gram key and draft lengths in the commands "
+        "below); our draft policy picks fewer drafts, or none, when they do not pay; "
+        "llama-server drafts up to `--spec-draft-n-max` whenever its n-gram matches.",
+        "",
+        *speculation_table(sections),
+        *(
+            ["", "† our engine drafted nothing in this row: its figures are speculation off."]
+            if any(r["spec"] != "none" and r["ours"].drafted == 0 for sec in sections for r in sec["rows"])
+            else []
+        ),
+        "",
+        "![tokens/s against concurrent streams, speculation on and off, ours and llama-server]"
+        "(benchmarks/results/speculation.png)",
     ]
     for sec in sections:
         title = PROMPT_SET_TITLES.get(sec["prompts"], f"Prompts from `{sec['prompts']}`")
@@ -346,8 +446,7 @@ def report(sections: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "llama-server runs with `--swa-full` and llama-cpp-python with `flash_attn=True`: the "
         "attention layout our contexts get from `llama_context_default_params()` (with the "
         "server's smaller sliding-window cache the attention is padded differently and near-ties "
-        "flip: 1 of the first 4 requests differed). Our adaptive draft-length policy is on; "
-        "llama-server drafts up to `--spec-draft-n-max` every step.",
+        "flip: 1 of the first 4 requests differed).",
         "",
         "## Commands",
         "",
@@ -367,54 +466,81 @@ def report(sections: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-async def measure(s: Setup, n_values: list[int], specs: list[str], per_n: int) -> dict[str, Any]:
-    """One prompt set: the raw ceiling, then per speculative type and N the server and ours."""
+async def measure(
+    s: Setup, n_values: list[int], specs: list[str], per_n: int | None, repeats: int
+) -> dict[str, Any]:
+    """One prompt set: the raw ceiling, then per N, ``repeats`` interleaved rounds of every
+    speculative type on the server and on ours (server A, ours A, server B, ours B, ...)."""
     print(f"raw ceiling: llama-batched-bench at N = {n_values}", flush=True)
     raw, raw_cmd = raw_ceiling(s, n_values)
     commands = [raw_cmd]
-    rows: list[dict[str, Any]] = []
+    ours_runs: list[BenchResult] = []
+    srv_runs: list[BenchResult] = []
+    agree: dict[tuple[int, str], float] = {}
     lcp: dict[str, BenchResult] = {}
     with_lcp = llama_cpp_python_ready()
-    lcp_agreement, lcp_out = float("nan"), []
+    lcp_agreement, lcp_out = float("nan"), Outputs()
     if not with_lcp:
         print("no llama-cpp-python (run with --setup-llama-cpp-python first): its column stays empty")
-    for spec in specs:
-        if with_lcp and spec == "none":
-            print("llama-cpp-python: one request after another", flush=True)
-            lcp[spec], lcp_out, version = run_llama_cpp_python(s, spec, s.requests(1, per_n))
-            commands.append(f"{version} (benchmarks/llama_cpp_python_worker.py), Llama.generate, temp 0")
-        for n in n_values:
-            requests = s.requests(n, per_n)
-            print(f"{spec:>13} N={n:<3} llama-server ...", flush=True)
-            srv, srv_out, cmd = await run_server(s, n, spec, requests)
-            commands.append(cmd)
-            print(f"{spec:>13} N={n:<3} ours ...", flush=True)
-            ours, ours_out = await run_ours(s, n, spec, requests)
-            if n == 1 and spec == "none" and with_lcp:
-                lcp_agreement = agreement(ours_out, lcp_out)
-            rows.append(
-                {
-                    "n": n,
-                    "spec": spec,
-                    "ours": ours,
-                    "server": srv,
-                    "lcp": lcp.get(spec),
-                    "raw": raw.get(n),
-                    "agreement": agreement(ours_out, srv_out),
-                }
-            )
-            print(
-                f"{spec:>13} N={n:<3} ours {ours.tokens_per_s:7.1f} tok/s, llama-server "
-                f"{srv.tokens_per_s:7.1f}, raw {raw.get(n, 0):7.1f}, same tokens {rows[-1]['agreement']:.0%}",
-                flush=True,
-            )
-    n1 = [r for r in rows if r["n"] == 1 and r["spec"] == "none"]
+    elif "none" in specs:
+        print("llama-cpp-python: one request after another", flush=True)
+        lcp["none"], lcp_out, version = run_llama_cpp_python(s, "none", s.requests(1, per_n or 8))
+        commands.append(f"{version} (benchmarks/llama_cpp_python_worker.py), Llama.generate, temp 0")
+    for n in n_values:
+        requests = s.requests(n, per_n or default_requests(n))
+        for rep in range(repeats):
+            for spec in specs:
+                print(f"{spec:>13} N={n:<3} repeat {rep + 1}/{repeats}: llama-server ...", flush=True)
+                srv, srv_out, cmd = await run_server(s, n, spec, requests)
+                if rep == 0:
+                    commands.append(cmd)
+                ours, ours_out = await run_ours(s, n, spec, requests)
+                srv.raw_tokens_per_s = ours.raw_tokens_per_s = raw.get(n)
+                srv_runs.append(srv)
+                ours_runs.append(ours)
+                if rep == 0:
+                    agree[(n, spec)] = agreement(ours_out, srv_out)
+                    if n == 1 and spec == "none" and with_lcp:
+                        lcp_agreement = agreement(ours_out, lcp_out)
+                print(
+                    f"{spec:>13} N={n:<3} ours {ours.tokens_per_s:7.1f} tok/s, llama-server "
+                    f"{srv.tokens_per_s:7.1f}, raw {raw.get(n, 0):7.1f}",
+                    flush=True,
+                )
+    ours_med = {(r.n_streams, r.speculative): r for r in medians(ours_runs)}
+    srv_med = {(r.n_streams, r.speculative): r for r in medians(srv_runs)}
+    rows = [
+        {
+            "n": n,
+            "spec": spec,
+            "ours": ours_med[(n, spec)],
+            "server": srv_med[(n, spec)],
+            "lcp": lcp.get(spec),
+            "raw": raw.get(n),
+            "agreement": agree[(n, spec)],
+            "vs_server": _paired(
+                [r for r in ours_runs if (r.n_streams, r.speculative) == (n, spec)],
+                [r for r in srv_runs if (r.n_streams, r.speculative) == (n, spec)],
+            ),
+        }
+        for n in n_values
+        for spec in specs
+    ]
     return {
         "rows": rows,
         "commands": commands,
-        "agreement_n1": n1[0]["agreement"] if n1 else float("nan"),
+        "agreement_n1": agree.get((1, "none"), float("nan")),
         "agreement_lcp": lcp_agreement,
+        "speedups_ours": speedups(ours_runs),
+        "speedups_server": speedups(srv_runs),
+        "repeats": repeats,
     }
+
+
+def _paired(a: list[BenchResult], b: list[BenchResult]) -> tuple[float, float, float]:
+    """Median, min and max of a[i] ÷ b[i] (runs paired in the order they ran)."""
+    r = sorted(x.tokens_per_s / y.tokens_per_s for x, y in zip(a, b, strict=True) if y.tokens_per_s)
+    return (r[(len(r) - 1) // 2], r[0], r[-1]) if r else (float("nan"),) * 3
 
 
 async def main() -> int:
@@ -422,7 +548,8 @@ async def main() -> int:
     ap.add_argument("--model", help="GGUF (default: Gemma 3 270M from the demo extra)")
     ap.add_argument("--streams", default="1,4,16,64")
     ap.add_argument("--spec", default="none,ngram-simple")
-    ap.add_argument("--requests", type=int, default=16, help="requests per N (at least N)")
+    ap.add_argument("--requests", type=int, help="requests per N (default 4N, at least 8)")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every row")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument(
         "--prompts",
@@ -431,8 +558,8 @@ async def main() -> int:
     )
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--n-ctx", type=int, default=1024, help="context per sequence")
-    ap.add_argument("--n-draft", type=int, default=6)
-    ap.add_argument("--ngram-n", type=int, default=3)
+    ap.add_argument("--n-draft", type=int, default=DEFAULT_N_DRAFT)
+    ap.add_argument("--ngram-n", type=int, default=DEFAULT_NGRAM_N)
     ap.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "side_by_side.json"))
     ap.add_argument("--setup-llama-cpp-python", action="store_true", help="create its venv, then exit")
@@ -453,18 +580,26 @@ async def main() -> int:
             prompts = [m.tokenize(p, add_special=True) for p in load_prompts(prompt_set)]
         s = Setup(model, prompts, args.max_tokens, args.threads, args.n_ctx, args.n_draft, args.ngram_n)
         print(f"--- {prompt_set} prompts", flush=True)
-        sections.append({"prompts": prompt_set, **await measure(s, n_values, specs, args.requests)})
+        sections.append(
+            {"prompts": prompt_set, **await measure(s, n_values, specs, args.requests, args.repeats)}
+        )
     meta = {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine_info(),
         "model": Path(model).name,
         "threads": args.threads,
-        "requests": args.requests,
+        "requests": args.requests or "4N (at least 8)",
+        "repeats": args.repeats,
         "max_tokens": args.max_tokens,
         "command": "python benchmarks/side_by_side.py " + shlex.join(sys.argv[1:]),
         "commands": [portable(c, model) for sec in sections for c in sec["commands"]],
     }
     Path(args.out).write_text(report(sections, meta))
+    update_readme(speculation_table(sections))
+    try:
+        plot_speculation(sections, ROOT / "benchmarks" / "results" / "speculation.png")
+    except ImportError:
+        print("no plot: matplotlib is missing (pip install -e '.[demo]')")
     Path(args.json).write_text(
         json.dumps(
             {
@@ -474,11 +609,14 @@ async def main() -> int:
                         "prompts": sec["prompts"],
                         "agreement_n1": sec["agreement_n1"],
                         "agreement_llama_cpp_python": sec["agreement_lcp"],
+                        "speculation_ours": sec["speedups_ours"],
+                        "speculation_server": sec["speedups_server"],
                         "rows": [
                             {
                                 "n": r["n"],
                                 "spec": r["spec"],
                                 "agreement": r["agreement"],
+                                "ours_vs_server": r["vs_server"],
                                 "raw_tokens_per_s": r["raw"],
                                 "ours": r["ours"].as_dict(),
                                 "llama_server": r["server"].as_dict(),

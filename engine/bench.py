@@ -8,11 +8,12 @@ compared with (their ratio is the engine's overhead).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import platform
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,8 @@ __all__ = [
     "PROMPTS",
     "PROMPT_SETS",
     "BenchResult",
+    "closed_loop",
+    "default_requests",
     "load_prompts",
     "machine_info",
     "plot",
@@ -111,9 +114,10 @@ def percentile(values: list[float], q: float) -> float:
 
 @dataclass
 class BenchResult:
-    """One load run. Throughput is measured in the steady window: from the end of the first
-    request (every stream has started) until a stream finds no request left to send (the
-    tail, where fewer than N streams run, is out); the whole run is reported as well."""
+    """One load run (see :func:`closed_loop`). Throughput is measured in the steady window,
+    where every stream runs with its requests' ends spread out (the ramp at the start and
+    the tail, where fewer than N streams run, are out); the whole run is reported as well.
+    Latencies are those of the full-length requests."""
 
     n_streams: int
     speculative: str
@@ -133,7 +137,7 @@ class BenchResult:
     @property
     def tokens_per_s(self) -> float:
         """Steady-state throughput (the whole run's when no steady window was seen)."""
-        if self.steady_seconds > 0:
+        if self.steady_seconds > 0 and self.steady_tokens > 0:
             return self.steady_tokens / self.steady_seconds
         return self.whole_run_tokens_per_s
 
@@ -226,6 +230,104 @@ def raw_decode_throughput(
     return n_parallel * n_tokens / (time.perf_counter() - t0)
 
 
+def default_requests(n_streams: int) -> int:
+    """Requests per load run: enough for a steady window of about two request lengths
+    after the ramp (:func:`closed_loop`)."""
+    return max(4 * n_streams, 8)
+
+
+#: a server that streams one verification's tokens as separate events sends them within
+#: this many seconds: they count as one arrival, whose gap their tokens share
+BURST_S = 0.002
+
+#: one request of a load run: ``send(i, max_tokens)`` streams request ``i``'s tokens, a
+#: list of token ids per delta
+Send = Callable[[int, int], AsyncIterator[list[int]]]
+
+
+async def closed_loop(
+    n_streams: int,
+    n_requests: int | None,
+    max_tokens: int,
+    send: Send,
+    progress: Callable[[int], None] | None = None,
+    duration: float | None = None,
+    counters: Callable[[], tuple[int, float]] | None = None,
+) -> BenchResult:
+    """``n_streams`` clients, each sending its next request when the last one ends:
+    ``n_requests`` in all, or as many as start within ``duration`` seconds.
+
+    Clients that all start together and send requests of one length finish together, and
+    go on in lock-step waves (every prompt arrives at once, into an empty cache): not the
+    steady state of a server. So the first request of client k asks for (k + 1) / N of
+    ``max_tokens`` (a ramp, not in the latency figures): from then on the streams' requests
+    end evenly spread. The steady window runs from the end of the last ramp request until a
+    client finds nothing left to send. ``counters()`` (steps, summed batch occupancy), when
+    given, is read at both ends of the window. ``progress(tokens)`` is called as each
+    request ends."""
+    if (n_requests is None) == (duration is None):
+        raise ValueError("give a request count or a duration")
+    result = BenchResult(n_streams, "", 0, 0, 0.0)
+    counter = iter(range(n_requests if n_requests is not None else 1 << 62))
+    streamed = 0  # tokens received so far, by every client
+    ramping = n_streams
+    marks: dict[str, tuple[float, int, int, float]] = {}  # (time, tokens, steps, occupancy)
+
+    def mark(name: str) -> None:
+        if name not in marks:
+            steps, occupancy = counters() if counters else (0, 0.0)
+            marks[name] = (time.perf_counter(), streamed, steps, occupancy)
+
+    start = time.perf_counter()
+    deadline = start + duration if duration is not None else float("inf")
+
+    async def client(k: int) -> None:
+        nonlocal streamed, ramping
+        ramp = n_streams > 1
+        while True:
+            i = next(counter, None)
+            if i is None or time.perf_counter() >= deadline:
+                mark("end")  # a stream has nothing left to send: the tail begins
+                return
+            want = -(-max_tokens * (k + 1) // n_streams) if ramp else max_tokens
+            t0 = time.perf_counter()
+            bursts: list[list[float]] = []  # [time, tokens]: arrivals < 2 ms apart are one
+            async for ids in send(i, want):
+                now = time.perf_counter()
+                if ids:
+                    if bursts and now - bursts[-1][0] < BURST_S:
+                        bursts[-1] = [now, bursts[-1][1] + len(ids)]
+                    else:
+                        bursts.append([now, len(ids)])
+                    streamed += len(ids)
+            n = int(sum(b[1] for b in bursts))
+            first = bursts[0][0] - t0 if bursts else None
+            itl = [(b[0] - a[0]) / b[1] for a, b in itertools.pairwise(bursts)]
+            if ramp:
+                result.requests += 1
+                result.tokens += n
+                ramping -= 1
+                if ramping == 0:
+                    mark("begin")
+            else:
+                result.record(n, first, itl, time.perf_counter() - t0)
+                if n_streams == 1:
+                    mark("begin")
+            ramp = False
+            if progress is not None:
+                progress(n)
+
+    async with anyio.create_task_group() as clients:
+        for k in range(n_streams):
+            clients.start_soon(client, k)
+    result.seconds = time.perf_counter() - start
+    if "begin" in marks and "end" in marks and marks["end"][0] > marks["begin"][0]:
+        (t0, tok0, steps0, occ0), (t1, tok1, steps1, occ1) = marks["begin"], marks["end"]
+        result.steady_seconds, result.steady_tokens = t1 - t0, tok1 - tok0
+        result.occupancy = (occ1 - occ0) / (steps1 - steps0) if steps1 > steps0 else 0.0
+    return result
+
+
 async def run_load(
     config: EngineConfig,
     n_streams: int,
@@ -236,72 +338,37 @@ async def run_load(
     duration: float | None = None,
     outputs: dict[int, list[int]] | None = None,
 ) -> BenchResult:
-    """``n_streams`` concurrent clients of one engine, each sending its next request when
-    the last one ends: ``n_requests`` in all, or as many as start within ``duration``
-    seconds; request ``i`` sends ``prompts[i % len(prompts)]`` (text or token ids).
-    ``progress(tokens)`` is called as each request ends; ``outputs[i]`` gets its tokens."""
-    if (n_requests is None) == (duration is None):
-        raise ValueError("give a request count or a duration")
+    """:func:`closed_loop` through one engine: request ``i`` sends ``prompts[i %
+    len(prompts)]`` (text or token ids), greedy, end-of-generation ignored;
+    ``outputs[i]`` gets its tokens."""
     prompts = prompts or PROMPTS
-    result = BenchResult(n_streams, config.spec.type, 0, 0, 0.0)
-    counter = iter(range(n_requests if n_requests is not None else 1 << 62))
     async with Engine(config) as engine:
         # warm-up: one short request, not measured
         await engine.generate(prompts[0], SamplingParams(max_tokens=4))
         m = engine.metrics
         drafted0, accepted0 = m.drafted, m.accepted
-        streamed = 0  # tokens received so far, by every client
-        marks: dict[
-            str, tuple[float, int, int, float]
-        ] = {}  # steady window: (time, tokens, steps, occupancy)
 
-        def mark(name: str) -> None:
-            if name not in marks:
-                marks[name] = (time.perf_counter(), streamed, m.steps, m.occupancy_sum)
+        async def send(i: int, max_tokens: int) -> AsyncIterator[list[int]]:
+            ids: list[int] = []
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+            async for delta in engine.stream(prompts[i % len(prompts)], params):
+                ids += delta.token_ids
+                yield delta.token_ids
+            if outputs is not None:
+                outputs[i] = ids
 
-        start = time.perf_counter()
-        deadline = start + duration if duration is not None else float("inf")
-
-        async def client() -> None:
-            nonlocal streamed
-            while True:
-                i = next(counter, None)
-                if i is None or time.perf_counter() >= deadline:
-                    mark("end")  # a stream has nothing left to send: the tail begins
-                    return
-                t0 = time.perf_counter()
-                first = last = None
-                ids: list[int] = []
-                itl: list[float] = []
-                async for delta in engine.stream(
-                    prompts[i % len(prompts)], SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-                ):
-                    now = time.perf_counter()
-                    if delta.token_ids:
-                        if last is None:
-                            first = now - t0
-                        else:
-                            itl.append((now - last) / len(delta.token_ids))
-                        last = now
-                        ids += delta.token_ids
-                        streamed += len(delta.token_ids)
-                mark("begin")  # every stream has started and one has finished a request
-                result.record(len(ids), first, itl, time.perf_counter() - t0)
-                if outputs is not None:
-                    outputs[i] = ids
-                if progress is not None:
-                    progress(len(ids))
-
-        async with anyio.create_task_group() as clients:
-            for _ in range(n_streams):
-                clients.start_soon(client)
-        result.seconds = time.perf_counter() - start
+        result = await closed_loop(
+            n_streams,
+            n_requests,
+            max_tokens,
+            send,
+            progress,
+            duration,
+            counters=lambda: (m.steps, m.occupancy_sum),
+        )
+        result.speculative = config.spec.type
         result.drafted = m.drafted - drafted0
         result.accepted = m.accepted - accepted0
-        if "begin" in marks and "end" in marks and marks["end"][0] > marks["begin"][0]:
-            (t0, tok0, steps0, occ0), (t1, tok1, steps1, occ1) = marks["begin"], marks["end"]
-            result.steady_seconds, result.steady_tokens = t1 - t0, tok1 - tok0
-            result.occupancy = (occ1 - occ0) / (steps1 - steps0) if steps1 > steps0 else 0.0
     return result
 
 

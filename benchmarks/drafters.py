@@ -1,0 +1,109 @@
+"""Speculation on ÷ off for every drafter, on the tiny test models: whatever the drafts are
+worth, turning speculation on must not make the engine slower.
+
+Each scenario pairs a target with a drafter whose drafts are right always, sometimes or
+almost never (on the tiny random-weight models of ``tests/models``, written on first use):
+
+- ``draft``: a classic draft model; ``llama-soft-sharp`` drafts ``llama-soft``'s greedy
+  tokens (always right), ``walk-llama-cycle6`` walks another permutation (almost never);
+- ``eagle3``: ``walk-llama-eagle3``, whose first draft token is right and the rest are not;
+- ``dflash``: ``walk-llama-dflash-oracle`` (the first token right) and ``walk-llama-dflash``
+  (random weights: almost never right);
+- ``mtp``: ``walk-qwen35-mtp`` (every draft right) and ``qwen35-mtp`` (random: almost never).
+
+N closed-loop streams (``engine.bench.closed_loop``), greedy, interleaved repeats (off, on,
+off, on, ...); prints the median ratio [min, max] per scenario and N, and writes JSON.
+
+    python benchmarks/drafters.py [--streams 1,4,16] [--repeats 3] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import anyio
+
+from engine import EngineConfig, SpeculativeConfig
+from engine.bench import BenchResult, default_requests, run_load, speedups
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from tests.models.make_models import build_all  # noqa: E402
+
+#: (name, target, spec type, draft model or None for MTP, what the drafts are worth)
+SCENARIOS = [
+    ("draft, always right", "llama-soft", "draft", "llama-soft-sharp"),
+    ("draft, almost never", "walk-llama", "draft", "walk-llama-cycle6"),
+    ("eagle3, first right", "walk-llama", "eagle3", "walk-llama-eagle3"),
+    ("dflash, first right", "walk-llama", "dflash", "walk-llama-dflash-oracle"),
+    ("dflash, almost never", "walk-llama", "dflash", "walk-llama-dflash"),
+    ("mtp, always right", "walk-qwen35-mtp", "mtp", None),
+    ("mtp, almost never", "qwen35-mtp", "mtp", None),
+]
+
+
+def config(
+    paths: dict[str, Path], target: str, spec: str, draft: str | None, n: int, args: argparse.Namespace
+) -> EngineConfig:
+    return EngineConfig(
+        model=paths[target],
+        draft_model=paths[draft] if draft and spec != "none" else None,
+        speculative=SpeculativeConfig(spec, n_seq=n, n_draft_max=args.n_draft),
+        n_seq=n,
+        n_ctx=512,
+        threads=args.threads,
+    )
+
+
+async def main(args: argparse.Namespace) -> int:
+    paths = build_all(ROOT / "tests" / "models" / ".generated")
+    prompts = [[1] + [100 + 37 * i + j for j in range(12)] for i in range(8)]  # token ids
+    report = []
+    for name, target, spec, draft in SCENARIOS:
+        for n in [int(x) for x in args.streams.split(",")]:
+            runs: list[BenchResult] = []
+            for _ in range(args.repeats):
+                for s in ("none", spec):
+                    r = await run_load(
+                        config(paths, target, s, draft, n, args),
+                        n,
+                        default_requests(n),
+                        args.max_tokens,
+                        prompts,
+                    )
+                    runs.append(r)
+            ((_, _, med, lo, hi),) = speedups(runs)
+            on = [r for r in runs if r.speculative != "none"]
+            drafted, accepted = sum(r.drafted for r in on), sum(r.accepted for r in on)
+            row = {
+                "scenario": name,
+                "n": n,
+                "median": med,
+                "min": lo,
+                "max": hi,
+                "drafted": drafted,
+                "accepted": accepted,
+            }
+            report.append(row)
+            rate = f"{accepted / drafted:.0%}" if drafted else "drafted nothing"
+            print(
+                f"{name:<22} N={n:<3} on ÷ off {med:5.2f}x [{lo:.2f}, {hi:.2f}]  accepted {rate}", flush=True
+            )
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--streams", default="1,4,16")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--n-draft", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--json")
+    sys.exit(anyio.run(main, ap.parse_args()))

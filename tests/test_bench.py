@@ -1,0 +1,67 @@
+"""The load generator itself (``engine.bench.closed_loop``), with a scripted server: the
+ramp, the steady window and how arrivals are counted."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import anyio
+import pytest
+
+from engine.bench import BURST_S, BenchResult, closed_loop, speedups
+
+
+def scripted(step_s: float, per_step: int = 1) -> tuple[list[tuple[int, int]], object]:
+    sent: list[tuple[int, int]] = []
+
+    async def send(i: int, max_tokens: int) -> AsyncIterator[list[int]]:
+        sent.append((i, max_tokens))
+        for start in range(0, max_tokens, per_step):
+            await anyio.sleep(step_s)
+            yield list(range(start, min(start + per_step, max_tokens)))
+
+    return sent, send
+
+
+@pytest.mark.anyio
+async def test_the_first_requests_ramp_so_that_streams_end_spread_out() -> None:
+    sent, send = scripted(0.002)
+    r = await closed_loop(4, 12, 8, send)  # type: ignore[arg-type]
+    first = sorted(m for _, m in sent[:4])
+    assert first == [2, 4, 6, 8]  # (k + 1) / N of max_tokens
+    assert all(m == 8 for _, m in sent[4:])
+    assert r.requests == 12 and r.tokens == 2 + 4 + 6 + 8 + 8 * 8
+    assert len(r.e2e) == 8  # latencies: full-length requests only
+    assert 0 < r.steady_seconds < r.seconds and r.steady_tokens > 0
+
+
+@pytest.mark.anyio
+async def test_one_stream_has_no_ramp() -> None:
+    sent, send = scripted(0.001)
+    r = await closed_loop(1, 3, 5, send)  # type: ignore[arg-type]
+    assert [m for _, m in sent] == [5, 5, 5]
+    assert len(r.e2e) == 3 and r.steady_tokens == 10  # the window opens after the first
+
+
+@pytest.mark.anyio
+async def test_back_to_back_events_are_one_arrival() -> None:
+    async def send(i: int, max_tokens: int) -> AsyncIterator[list[int]]:
+        for _ in range(3):
+            await anyio.sleep(0.02)
+            for t in range(4):  # one verification's tokens, one event each
+                yield [t]
+
+    r = await closed_loop(1, 1, 12, send)
+    assert len(r.itl) == 2  # three bursts of four tokens
+    assert all(0.02 / 4 * 0.8 <= x < 0.02 / 4 + BURST_S for x in r.itl)
+
+
+def test_speedups_pair_runs_in_the_order_they_ran() -> None:
+    def run(spec: str, tps: float) -> BenchResult:
+        r = BenchResult(4, spec, 1, 0, 1.0)
+        r.steady_tokens, r.steady_seconds = int(tps), 1.0
+        return r
+
+    runs = [run("none", 100), run("x", 150), run("none", 50), run("x", 60), run("none", 100), run("x", 90)]
+    ((n, spec, med, lo, hi),) = speedups(runs)
+    assert (n, spec) == (4, "x") and (med, lo, hi) == (1.2, 0.9, 1.5)
