@@ -82,6 +82,13 @@ class Setup:
 
 
 # --- 1. llama-batched-bench -----------------------------------------------------------
+#: the footnote of a row where speculation was on and drafted nothing
+DRAFTED_NOTHING = (
+    "† speculation was on but our engine drafted nothing in this row (its policy found no draft "
+    "that pays): the figures measure what speculation costs when it drafts nothing."
+)
+
+
 def raw_ceiling(s: Setup, n_values: list[int], repeats: int = 3) -> tuple[dict[int, float], str]:
     pp = round(sum(len(p) for p in s.prompts) / len(s.prompts))
     cmd = [
@@ -414,7 +421,7 @@ def report(sections: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "",
         *speculation_table(sections),
         *(
-            ["", "† our engine drafted nothing in this row: its figures are speculation off."]
+            ["", DRAFTED_NOTHING]
             if any(r["spec"] != "none" and r["ours"].drafted == 0 for sec in sections for r in sec["rows"])
             else []
         ),
@@ -430,7 +437,7 @@ def report(sections: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             "",
             *_table(sec["rows"]),
             *(
-                ["", "† our engine drafted nothing in this row: its figures are speculation off."]
+                ["", DRAFTED_NOTHING]
                 if any(r["spec"] != "none" and r["ours"].drafted == 0 for r in sec["rows"])
                 else []
             ),

@@ -135,6 +135,50 @@ def test_per_sequence_kv_streams_get_one_length_for_every_sequence() -> None:
     assert DraftPolicy(cost=linear_cost(0.001, 0.004), uniform=True).lengths(seqs) == [0, 0, 0]
 
 
+def uniform_value(policy: DraftPolicy, seqs: list[Drafting], k: int) -> float:
+    """Expected tokens per second when every sequence verifies the shortest of its drafts
+    (up to k): position m counts only where every sequence produced it."""
+    gain = rows = 0.0
+    for m in range(1, k + 1):
+        at_m = [s.stats.rates(m, policy.prior(m), policy.prior_weight) for s in seqs]
+        every = 1.0
+        for prod, _ in at_m:
+            every *= prod
+        gain += sum(acc * every / prod for prod, acc in at_m if prod > 0)
+        rows += len(seqs) * every
+    n = len(seqs)
+    return (n + gain) / (policy.cost.target(n + rows) + policy.cost.draft(k, n if k else 0))
+
+
+def test_the_uniform_choice_is_the_best_single_length() -> None:
+    """Per-sequence KV streams: against brute force over every length, including batches
+    where some sequence rarely drafts (its misses end everyone's drafts there)."""
+
+    def rarely(produced: float) -> DraftStats:
+        stats = DraftStats()
+        for i in range(40):
+            made = 4 if i % 100 < 100 * produced else 0
+            stats.record(4, made, made)
+        return stats
+
+    for cost, stats, max_k in itertools.product(
+        (linear_cost(0.030, 0.004), linear_cost(0.002, 0.004), tiled_cost()),
+        (
+            [history(0.95), history(0.9)],
+            [history(0.9)] * 8,
+            [history(0.95), rarely(0.05)],
+            [rarely(0.5)] * 16,
+        ),
+        (1, 4),
+    ):
+        policy = DraftPolicy(cost=cost, uniform=True, margin=0.0)
+        seqs = [Drafting(st, max_k) for st in stats]
+        (k, *rest) = policy.lengths(seqs)
+        assert all(r == k for r in rest)
+        best = max(range(max_k + 1), key=lambda j: uniform_value(policy, seqs, j))
+        assert uniform_value(policy, seqs, k) >= uniform_value(policy, seqs, best) * (1 - 1e-6), (k, best)
+
+
 def test_fixed_policy_drafts_the_maximum() -> None:
     seqs = [Drafting(history(0.0), 5), Drafting(history(0.0), 2)]
     assert DraftPolicy(adaptive=False).lengths(seqs) == [5, 2]

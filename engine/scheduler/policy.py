@@ -246,10 +246,15 @@ class DraftPolicy:
             return []
         if not self.adaptive:
             return [s.max_k for s in seqs]
-        rates = [
-            [s.stats.rates(m, self.prior(m), self.prior_weight) for m in range(1, s.max_k + 1)] for s in seqs
-        ]
-        ks = self._uniform(seqs, rates) if self.uniform else self._best(seqs, rates)
+        priors = [self.prior(m) for m in range(1, max(s.max_k for s in seqs) + 1)]
+
+        def rates(s: Drafting, m: int) -> tuple[float, float]:
+            return s.stats.rates(m, priors[m - 1], self.prior_weight)
+
+        if self.uniform:
+            ks = self._uniform(seqs, rates)
+        else:
+            ks = self._best(seqs, [[rates(s, m) for m in range(1, s.max_k + 1)] for s in seqs])
         return [
             max(k, 1 if s.probe and s.max_k > 0 and not self.uniform else 0)
             for k, s in zip(ks, seqs, strict=True)
@@ -288,16 +293,21 @@ class DraftPolicy:
                 best, best_ks = value, list(ks)
         return best_ks
 
-    def _uniform(self, seqs: Sequence[Drafting], rates: list[list[tuple[float, float]]]) -> list[int]:
+    def _uniform(
+        self, seqs: Sequence[Drafting], rates: Callable[[Drafting, int], tuple[float, float]]
+    ) -> list[int]:
         # every sequence gets k rows of drafts (drafts are trimmed to the shortest produced):
         # a sequence's position m counts only when every sequence produced a token there
         n, k_cap = len(seqs), min(s.max_k for s in seqs)
         best_k, best = 0, self._value(0.0, 0.0, 0, 0, n) * (1.0 + self.margin)
         gain = rows = 0.0
-        for m in range(1, k_cap + 1):
-            produced = [max(rates[i][m - 1][0], 1e-9) for i in range(n)]
+        for m in range(1, k_cap + 1):  # (positions computed as needed: 64 sequences x 16 add up)
+            at_m = [rates(s, m) for s in seqs]
+            produced = [max(p, 1e-9) for p, _ in at_m]
             every = math.prod(produced)  # P(every sequence drafted position m)
-            gain += sum(rates[i][m - 1][1] * every / produced[i] for i in range(n))
+            if n * every < 1e-6:
+                break  # (later positions add nothing but draft time)
+            gain += sum(acc * every / p for (_, acc), p in zip(at_m, produced, strict=True))
             rows += n * every
             value = self._value(gain, rows, m, n, n)
             if value > best:
