@@ -416,13 +416,18 @@ std::vector<std::vector<llama_token>> SpecSession::draft_many(const std::vector<
     return out;
 }
 
-void SpecSession::accept(int32_t seq_id, int64_t n_accepted) {
+void SpecSession::require_proposal(int32_t seq_id, const char * verb) const {
     check_seq(seq_id);
     if (pending_[seq_id] < 0) {
-        Error e(ErrorKind::NoPendingProposal, "sequence " + std::to_string(seq_id) + " has no draft proposal to accept");
+        Error e(ErrorKind::NoPendingProposal,
+                "sequence " + std::to_string(seq_id) + " has no draft proposal to " + verb);
         e.seq_id = seq_id;
         throw e;
     }
+}
+
+void SpecSession::accept(int32_t seq_id, int64_t n_accepted) {
+    require_proposal(seq_id, "accept");
     if (n_accepted < 0 || n_accepted > pending_[seq_id]) {
         Error e(ErrorKind::AcceptedTooMany, "accepted " + std::to_string(n_accepted) + " tokens from a " +
                                                 std::to_string(pending_[seq_id]) + "-token proposal");
@@ -450,12 +455,7 @@ void SpecSession::accept(int32_t seq_id, int64_t n_accepted) {
 }
 
 void SpecSession::extend_proposal(int32_t seq_id, int32_t n) {
-    check_seq(seq_id);
-    if (pending_[seq_id] < 0) {
-        Error e(ErrorKind::NoPendingProposal, "sequence " + std::to_string(seq_id) + " has no draft proposal to extend");
-        e.seq_id = seq_id;
-        throw e;
-    }
+    require_proposal(seq_id, "extend");
     if (n < 0) fail(ErrorKind::InvalidArgument, "a proposal cannot be extended by a negative count");
     pending_[seq_id] += n;
 }

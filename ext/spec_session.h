@@ -113,6 +113,8 @@ public:
     const std::vector<llama_token> & history(int32_t seq_id) const { return history_.at(seq_id); }
 
     void check_seq(int64_t seq_id) const;
+    // NoPendingProposal ("... has no draft proposal to <verb>") unless seq_id has one.
+    void require_proposal(int32_t seq_id, const char * verb) const;
     // ProposalPending naming the first sequence with a pending proposal; NotQuiescent when
     // upstream is still in a draft call.
     void require_quiescent() const;
