@@ -153,7 +153,7 @@ def plan_step(
     reserve = min(prefill_reserve, n_batch // 2) if prefilling else 0
     n_dec = min(len(decoding), n_batch)
     decoding = decoding[:n_dec]
-    ks = [0] * n_dec
+    ks = caps = [0] * n_dec
     if speculative and n_dec:
         probe = step // policy.probe_every % n_dec if step % policy.probe_every == 0 else -1
         seqs = [
@@ -164,15 +164,13 @@ def plan_step(
             )
             for i, r in enumerate(decoding)
         ]
+        caps = [s.max_k for s in seqs]
         ks = policy.lengths(seqs)
         room = max(0, n_batch - reserve - n_dec)  # draft rows that fit beside the prompts
+        if policy.uniform:
+            ks = [min(k, room // n_dec) for k in ks]
         while sum(ks) > room:  # shorten the longest drafts first
-            longest = max(range(n_dec), key=lambda i: ks[i])
-            if policy.uniform:
-                ks = [k - 1 for k in ks]
-            else:
-                ks[longest] -= 1
-    caps = [s.max_k for s in seqs] if speculative and n_dec else [0] * n_dec
+            ks[max(range(n_dec), key=lambda i: ks[i])] -= 1
     work = [
         WorkItem(r, [r.last], r.n_past, True, k, False, cap)  # type: ignore[list-item]
         for r, k, cap in zip(decoding, ks, caps, strict=True)

@@ -50,18 +50,22 @@ class _Line:
     sy: float = 0.0
     sxx: float = 0.0
     sxy: float = 0.0
+    _fit: tuple[float, float, float] | None = None  #: (mean x, mean y, slope) since the last add
 
     def add(self, x: float, y: float) -> None:
         d = self.decay
         self.w, self.sx, self.sy = self.w * d + 1, self.sx * d + x, self.sy * d + y
         self.sxx, self.sxy = self.sxx * d + x * x, self.sxy * d + x * y
+        self._fit = None
 
     def __call__(self, x: float) -> float:
         if self.w <= 0:
             return 0.0
-        mx, my = self.sx / self.w, self.sy / self.w
-        var = self.sxx / self.w - mx * mx
-        b = (self.sxy / self.w - mx * my) / var if var > 1e-12 else 0.0
+        if self._fit is None:  # (the policy evaluates the line for every candidate of a step)
+            mx, my = self.sx / self.w, self.sy / self.w
+            var = self.sxx / self.w - mx * mx
+            self._fit = (mx, my, (self.sxy / self.w - mx * my) / var if var > 1e-12 else 0.0)
+        mx, my, b = self._fit
         return my + b * (x - mx)
 
 
@@ -184,7 +188,7 @@ class StepCost:
         t = self.tiles
         if len(t) < 2:
             return self.small[-1] * rows / len(self.small)
-        i = min(max(bisect.bisect_left([x for x, _ in t], rows), 1), len(t) - 1)
+        i = min(max(bisect.bisect_left(t, rows, key=lambda p: p[0]), 1), len(t) - 1)
         (x0, y0), (x1, y1) = t[i - 1], t[i]
         return y0 + (y1 - y0) * (rows - x0) / (x1 - x0)
 
