@@ -25,6 +25,7 @@ from .session import Batch, Context, ContextConfig, Model, Runtime
 
 __all__ = [
     "medians",
+    "paired_ratio",
     "speedups",
     "COPY_PROMPTS",
     "PROMPTS",
@@ -394,12 +395,17 @@ def speedups(
         ref = [r for r in results if r.n_streams == n and r.speculative == reference]
         for spec in dict.fromkeys(r.speculative for r in results if r.speculative != reference):
             runs = [r for r in results if r.n_streams == n and r.speculative == spec]
-            ratios = sorted(
-                a.tokens_per_s / b.tokens_per_s for a, b in zip(runs, ref, strict=False) if b.tokens_per_s
-            )
-            if ratios:
-                out.append((n, spec, ratios[(len(ratios) - 1) // 2], ratios[0], ratios[-1]))
+            ratio = paired_ratio(runs, ref)
+            if ratio is not None:
+                out.append((n, spec, *ratio))
     return out
+
+
+def paired_ratio(a: Sequence[BenchResult], b: Sequence[BenchResult]) -> tuple[float, float, float] | None:
+    """Median, min and max of ``a[i]`` ÷ ``b[i]`` throughput, runs paired in the order they
+    ran (None when no pair has a throughput to divide by)."""
+    r = sorted(x.tokens_per_s / y.tokens_per_s for x, y in zip(a, b, strict=False) if y.tokens_per_s)
+    return (r[(len(r) - 1) // 2], r[0], r[-1]) if r else None
 
 
 def summarize(results: list[BenchResult]) -> str:
