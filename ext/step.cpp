@@ -228,27 +228,36 @@ void StepRunner::draft(State & st) {
 void StepRunner::align_rows(State & st) {
     const int32_t align = st.plan.output_align;
     if (align <= 1) return;
-    int32_t rows = 0, room = 0, drafted = 0;
-    for (const StepWork * w : st.work) {
-        if (!w->sample) continue;
+    // fillers may extend a draft upstream proposed this step up to the item's max_draft
+    auto fill_room = [&](const StepWork * w) {
         const auto & d = st.drafts[w->seq];
-        rows += 1 + static_cast<int32_t>(d.size());
-        drafted += static_cast<int32_t>(d.size());
-        if (!d.empty()) room += std::max(0, w->max_draft - static_cast<int32_t>(d.size()));
+        return w->sample && !d.empty() ? std::max(0, w->max_draft - static_cast<int32_t>(d.size())) : 0;
+    };
+    int32_t rows = 0, room = 0, drafted = 0, batch = 0;
+    for (const StepWork * w : st.work) {
+        const int32_t n_tokens = static_cast<int32_t>(w->tokens.size());
+        batch += n_tokens;
+        if (!w->sample) continue;
+        const int32_t n_drafts = static_cast<int32_t>(st.drafts[w->seq].size());
+        rows += 1 + n_drafts;  // (a final prompt chunk needs the logits of its last token only)
+        drafted += n_drafts;
+        batch += n_drafts;
+        room += fill_room(w);
     }
     if (rows < st.plan.align_from || rows % align == 0) return;
+    // (fillers past n_batch would split the decode in two: a whole tile never pays that)
+    room = std::min(room, static_cast<int32_t>(session_->target()->params().n_batch) - batch);
     int32_t pad = align - rows % align;
-    if (pad <= room) {  // fillers extend drafts upstream proposed this step, round robin
-        for (bool added = true; pad > 0 && added;) {
-            added = false;
-            for (const StepWork * w : st.work) {
-                auto & d = st.drafts[w->seq];
-                if (pad == 0 || !w->sample || d.empty() || static_cast<int32_t>(d.size()) >= w->max_draft) continue;
-                d.push_back(d.back());
-                session_->extend_proposal(w->seq, 1);
-                --pad;
-                added = true;
-            }
+    if (pad <= room) {  // round robin over the items with room, then one extension each
+        std::vector<int32_t> extra(st.work.size(), 0);
+        for (size_t i = 0; pad > 0; i = (i + 1) % st.work.size()) {
+            if (extra[i] < fill_room(st.work[i])) ++extra[i], --pad;
+        }
+        for (size_t i = 0; i < st.work.size(); ++i) {
+            if (extra[i] == 0) continue;
+            auto & d = st.drafts[st.work[i]->seq];
+            d.resize(d.size() + extra[i], d.back());
+            session_->extend_proposal(st.work[i]->seq, extra[i]);
         }
         return;
     }

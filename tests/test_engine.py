@@ -19,6 +19,7 @@ from engine import (
     SamplingParams,
     SpeculativeConfig,
 )
+from engine.scheduler.policy import StepCost
 from engine.session import InvalidArgumentError, InvalidConfigError, PromptTooLongError, StateError
 from engine.session.checkpoint import unpack
 from tests.aio import Task, gather
@@ -432,3 +433,35 @@ async def test_drafting_with_per_sequence_kv_streams_stays_one_decode(
         assert [o.token_ids for o in outs] == [greedy_plain(tm, p, n) for p, n in requests]
         m = engine.metrics
         assert m.accepted > 0 and m.max_decode_calls_per_step == 1, m
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_drafts_padded_to_a_whole_tile_never_split_the_decode(
+    model_paths: dict[str, Path], models: ModelCache, anyio_backend: str
+) -> None:
+    """On a machine whose output rows come in tiles of four, a step pads drafts to a whole
+    tile; when prompt chunks fill the batch there is no room for the fillers, and the step
+    drops the partial tile instead: still one decode per step, greedy output unchanged
+    (padding past n_batch made the step two decodes: checked to fail without the cap)."""
+    cfg = config(
+        model_paths,
+        "walk-llama-cycle6",
+        None,
+        "ngram-simple",
+        2,
+        n_batch=14,  # 7 kept for prompts; one decoding sequence drafts 6 of its 12 (7 rows)
+        n_draft_max=12,
+        draft_policy="fixed",
+        spec_extra={"ngram_size_n": 2, "ngram_size_m": 12},
+    )
+    tm = models("walk-llama-cycle6")
+    first, second = ([1, 2, 3], 160), (list(range(500, 600)), 8)
+    async with Engine(cfg) as engine, anyio.create_task_group() as tg:
+        engine._scheduler.policy.cost = StepCost(align=4)  # type: ignore[union-attr]
+        a = Task(tg, engine.generate, first[0], SamplingParams(max_tokens=first[1]))
+        await wait_until(lambda: engine.metrics.accepted >= 6)  # A drafts: the cycle repeats
+        b = await engine.generate(second[0], SamplingParams(max_tokens=second[1]))
+        out_a = await a.result()
+        assert engine.metrics.max_decode_calls_per_step == 1, engine.metrics
+    assert out_a.token_ids == greedy_plain(tm, *first)
+    assert b.token_ids == greedy_plain(tm, *second)
