@@ -612,7 +612,6 @@ NB_MODULE(_nb_spec, m) {
 
     nb::class_<StepPlan>(m, "StepPlan", "What one engine step does; filled by the scheduler.")
         .def(nb::init<>())
-        .def_rw("uniform_drafts", &StepPlan::uniform_drafts)
         .def_rw("output_align", &StepPlan::output_align)
         .def_rw("align_from", &StepPlan::align_from)
         .def("settle", [](StepPlan & p, int32_t seq, int32_t n_accepted) { p.settles.push_back({seq, n_accepted}); },

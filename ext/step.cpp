@@ -218,7 +218,10 @@ void StepRunner::draft(State & st) {
         st.produced[r.seq_id] = static_cast<int32_t>(st.drafts[r.seq_id].size());
         shortest = std::min(shortest, st.drafts[r.seq_id].size());
     }
-    if (st.plan.uniform_drafts) {  // (verification accepts at most what is left: the rest stays proposed)
+    // per-sequence KV streams decode a step in one pass only when every sequence has the same
+    // number of rows: every draft is trimmed to the shortest one produced (verification
+    // accepts at most what is left: the rest stays proposed)
+    if (!s.target()->params().kv_unified) {
         for (const DraftRequest & r : requests) st.drafts[r.seq_id].resize(shortest);
     } else {
         align_rows(st);

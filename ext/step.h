@@ -52,9 +52,6 @@ struct StepSettle {
 };
 
 struct StepPlan {
-    // per-sequence KV streams decode a step in one pass only when every sequence has the
-    // same number of rows: trim every draft to the shortest one produced
-    bool uniform_drafts = false;
     // CPU matmul kernels take the output rows in tiles: a batch whose rows that need logits
     // are not a multiple of `output_align` pays for the partial tile almost as for a whole
     // one. From `align_from` rows on, drafts are padded with filler tokens (the last draft

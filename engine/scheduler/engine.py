@@ -286,7 +286,7 @@ class Engine:
                         await self._wait_for_work()
                         continue
                     cost = scheduler.policy.cost
-                    native = plan.native(not self.config.unified_kv, cost.align, cost.align_from)
+                    native = plan.native(cost.align, cost.align_from)
                     result = await runtime.wait(self._runner.step_async(native))
                     scheduler.update(plan, result)
                     faults = 0

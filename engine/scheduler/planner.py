@@ -98,11 +98,8 @@ class Plan:
         touched = {id(r): r for r in (*self.captures, *self.admitted, *(w.request for w in self.work))}
         return list(touched.values())
 
-    def native(
-        self, uniform_drafts: bool = False, output_align: int = 1, align_from: int = 0
-    ) -> _nb_spec.StepPlan:
+    def native(self, output_align: int = 1, align_from: int = 0) -> _nb_spec.StepPlan:
         p = _nb_spec.StepPlan()
-        p.uniform_drafts = uniform_drafts
         p.output_align = output_align
         p.align_from = align_from
         for slot, n_accepted in self.settles:
