@@ -132,7 +132,11 @@ def server_command(s: Setup, n: int, spec: str, port: int) -> list[str]:
 
 
 def _server_send(
-    client: httpx.AsyncClient, requests: list[list[int]], outputs: Outputs, stats: dict[str, int]
+    client: httpx.AsyncClient,
+    requests: list[list[int]],
+    outputs: Outputs,
+    stats: dict[str, int],
+    cache_prompt: bool = False,
 ) -> Send:
     async def send(i: int, max_tokens: int) -> AsyncIterator[list[int]]:
         body = {
@@ -141,7 +145,7 @@ def _server_send(
             "temperature": 0.0,
             "top_k": 1,
             "ignore_eos": True,
-            "cache_prompt": False,
+            "cache_prompt": cache_prompt,
             "stream": True,
             "return_tokens": True,
         }
@@ -165,9 +169,10 @@ def _server_send(
 
 
 async def run_server(
-    s: Setup, n: int, spec: str, requests: list[list[int]]
+    s: Setup, n: int, spec: str, requests: list[list[int]], cache_prompt: bool = False
 ) -> tuple[BenchResult, Outputs, str]:
-    """llama-server with ``-np N``, driven by the same closed loop as our engine."""
+    """llama-server with ``-np N``, driven by the same closed loop as our engine
+    (``cache_prompt``: each slot keeps its prompt for the next request to reuse)."""
     port = _free_port()
     cmd = server_command(s, n, spec, port)
     log = open(ROOT / "build" / "reference" / f"server-{spec}-{n}.log", "w")  # noqa: SIM115
@@ -190,12 +195,12 @@ async def run_server(
                 await asyncio.sleep(0.2)
             outputs: list[list[int] | None] = [None] * len(requests)
             stats = {"drafted": 0, "accepted": 0}
-            send = _server_send(client, requests, outputs, stats)
+            send = _server_send(client, requests, outputs, stats, cache_prompt)
             async for _ in send(0, 4):  # warm-up
                 pass
             outputs[0], stats["drafted"], stats["accepted"] = None, 0, 0
             result = await closed_loop(n, len(requests), s.max_tokens, send)
-            result.speculative = spec
+            result.speculative, result.prefix_cache = spec, cache_prompt
             result.drafted, result.accepted = stats["drafted"], stats["accepted"]
     finally:
         proc.send_signal(signal.SIGINT)
@@ -208,7 +213,9 @@ async def run_server(
 
 
 # --- 3. our engine --------------------------------------------------------------------
-async def run_ours(s: Setup, n: int, spec: str, requests: list[list[int]]) -> tuple[BenchResult, Outputs]:
+async def run_ours(
+    s: Setup, n: int, spec: str, requests: list[list[int]], prefix_cache: bool = False
+) -> tuple[BenchResult, Outputs]:
     config = EngineConfig(
         model=s.model,
         speculative=SpeculativeConfig(
@@ -217,6 +224,7 @@ async def run_ours(s: Setup, n: int, spec: str, requests: list[list[int]]) -> tu
         n_seq=n,
         n_ctx=s.n_ctx,
         threads=s.threads,
+        prefix_cache=prefix_cache,  # llama-server here: "cache_prompt" as given
     )
     outputs: dict[int, list[int]] = {}
     result = await run_load(config, n, len(requests), s.max_tokens, requests, outputs=outputs)

@@ -26,11 +26,15 @@ from .session import Batch, Context, ContextConfig, Model, Runtime
 __all__ = [
     "medians",
     "paired_ratio",
+    "reuse_ratios",
     "speedups",
     "COPY_PROMPTS",
     "PROMPTS",
     "PROMPT_SETS",
+    "SHARED_PROMPTS",
+    "SHARED_SYSTEM",
     "BenchResult",
+    "TurnStats",
     "closed_loop",
     "default_requests",
     "load_prompts",
@@ -39,8 +43,13 @@ __all__ = [
     "measure_raw",
     "percentile",
     "raw_decode_throughput",
+    "OverloadResult",
+    "run_conversations",
+    "run_overload",
     "run_load",
     "summarize",
+    "summarize_overload",
+    "summarize_turns",
 ]
 
 #: a mixed set; the code-like prompts repeat themselves, which is where n-gram drafting helps
@@ -82,7 +91,38 @@ COPY_PROMPTS = [
     "Again: one apple, two pears, three plums,",
 ]
 
-PROMPT_SETS = {"mixed": PROMPTS, "copy": COPY_PROMPTS}
+_TOPICS = [
+    "returns", "shipping", "warranty", "billing", "privacy", "accounts", "gift cards", "repairs",
+    "subscriptions", "discounts", "international orders", "damaged items", "store hours", "recycling",
+    "accessibility", "loyalty points",
+]  # fmt: skip
+_CLAUSES = [
+    "must be answered politely and in plain language",
+    "applies to every order placed online or in a store",
+    "is reviewed by a supervisor when the customer asks for it",
+    "never requires the customer to share a password",
+    "is explained with one concrete example when it is unclear",
+]
+
+#: a ~1,000-token system prompt (a support agent's rule book) that many requests share
+SHARED_SYSTEM = "You are the support assistant of Northwind Stores. Follow these rules.\n" + "".join(
+    f"Rule {i + 1}: every question about {_TOPICS[i % len(_TOPICS)]} {_CLAUSES[i % len(_CLAUSES)]}.\n"
+    for i in range(48)
+)
+
+_SITUATIONS = [
+    "today", "for a large order", "as a new customer", "after moving abroad", "for a gift", "on a holiday",
+    "for my business", "with a coupon", "for a second time", "before a trip", "for my parents", "in a hurry",
+]  # fmt: skip
+
+#: shared prefix: the system prompt, then one of 192 short distinct questions
+SHARED_PROMPTS = [
+    f"{SHARED_SYSTEM}\nCustomer question {i + 1}: what should I know about {_TOPICS[i % len(_TOPICS)]} "
+    f"{_SITUATIONS[i // len(_TOPICS)]}?\nAnswer:"
+    for i in range(len(_TOPICS) * len(_SITUATIONS))
+]
+
+PROMPT_SETS = {"mixed": PROMPTS, "copy": COPY_PROMPTS, "shared": SHARED_PROMPTS}
 
 
 def load_prompts(name_or_path: str) -> list[str]:
@@ -134,6 +174,14 @@ class BenchResult:
     raw_tokens_per_s: float | None = None
     steady_tokens: int = 0
     steady_seconds: float = 0.0
+    prefix_cache: bool = True  #: prompts reused what the KV cache held (llama-server: cache_prompt)
+    prompt_tokens: int = 0  #: prompt tokens of every request (warm-up excluded)
+    cached_tokens: int = 0  #: of those, read from the prefix cache instead of prefilled
+
+    @property
+    def variant(self) -> str:
+        """What ran: the speculative type, and whether prompts were cached."""
+        return self.speculative if self.prefix_cache else f"{self.speculative} no-cache"
 
     @property
     def tokens_per_s(self) -> float:
@@ -176,6 +224,9 @@ class BenchResult:
         return {
             "n_streams": self.n_streams,
             "speculative": self.speculative,
+            "prefix_cache": self.prefix_cache,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "requests": self.requests,
             "tokens": self.tokens,
             "seconds": round(self.seconds, 3),
@@ -347,7 +398,7 @@ async def run_load(
         # warm-up: one short request, not measured
         await engine.generate(prompts[0], SamplingParams(max_tokens=4))
         m = engine.metrics
-        drafted0, accepted0 = m.drafted, m.accepted
+        drafted0, accepted0, prompt0, cached0 = m.drafted, m.accepted, m.prompt_tokens, m.cached_tokens
 
         async def send(i: int, max_tokens: int) -> AsyncIterator[list[int]]:
             ids: list[int] = []
@@ -368,9 +419,185 @@ async def run_load(
             counters=lambda: (m.steps, m.occupancy_sum),
         )
         result.speculative = config.spec.type
+        result.prefix_cache = engine.prefix_cache
         result.drafted = m.drafted - drafted0
         result.accepted = m.accepted - accepted0
+        result.prompt_tokens = m.prompt_tokens - prompt0
+        result.cached_tokens = m.cached_tokens - cached0
     return result
+
+
+@dataclass
+class TurnStats:
+    """One turn of every conversation (:func:`run_conversations`)."""
+
+    turn: int
+    prefix_cache: bool
+    prompt_tokens: list[int] = field(default_factory=list)
+    cached_tokens: list[int] = field(default_factory=list)
+    ttft: list[float] = field(default_factory=list)
+
+    @property
+    def prefilled(self) -> float:
+        """Mean prompt tokens actually read per request."""
+        return (sum(self.prompt_tokens) - sum(self.cached_tokens)) / max(len(self.prompt_tokens), 1)
+
+    @property
+    def cached_share(self) -> float:
+        return sum(self.cached_tokens) / sum(self.prompt_tokens) if sum(self.prompt_tokens) else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "turn": self.turn,
+            "prefix_cache": self.prefix_cache,
+            "prompt_tokens_mean": round(sum(self.prompt_tokens) / max(len(self.prompt_tokens), 1), 1),
+            "prefilled_mean": round(self.prefilled, 1),
+            "cached_share": round(self.cached_share, 4),
+            "ttft_p50": round(percentile(self.ttft, 0.5), 4),
+        }
+
+
+async def run_conversations(
+    config: EngineConfig, conversations: int = 8, turns: int = 6, max_tokens: int = 32
+) -> list[TurnStats]:
+    """``conversations`` chats at once; each turn sends the whole conversation again in the
+    model's chat template (as OpenAI-style clients do) with a new user message, greedy."""
+    stats: list[TurnStats] = []
+    async with Engine(config) as engine:
+        await engine.generate(PROMPTS[0], SamplingParams(max_tokens=4))  # warm-up
+        stats = [TurnStats(t + 1, engine.prefix_cache) for t in range(turns)]
+
+        async def chat(c: int) -> None:
+            messages: list[dict[str, str]] = []
+            for t in range(turns):
+                topic = _TOPICS[(c + 3 * t) % len(_TOPICS)]
+                messages.append(
+                    {"role": "user", "content": f"Customer {c + 1}, turn {t + 1}: tell me about {topic}."}
+                )
+                out = await engine.generate(messages, SamplingParams(max_tokens=max_tokens, temperature=0))
+                messages.append({"role": "assistant", "content": out.text})
+                s = stats[t]
+                s.prompt_tokens.append(out.metrics.prompt_tokens)
+                s.cached_tokens.append(out.metrics.cached_tokens)
+                if out.metrics.ttft is not None:
+                    s.ttft.append(out.metrics.ttft)
+
+        async with anyio.create_task_group() as tg:
+            for c in range(conversations):
+                tg.start_soon(chat, c)
+    return stats
+
+
+def summarize_turns(stats: list[TurnStats]) -> str:
+    """Per turn: prompt tokens sent, tokens actually prefilled, the cached share, TTFT."""
+    head = f"{'turn':>4} {'cache':>5} {'prompt tok':>10} {'prefilled':>9} {'cached':>7} {'TTFT p50 s':>10}"
+    lines = [head, "-" * len(head)]
+    for s in stats:
+        d = s.as_dict()
+        lines.append(
+            f"{s.turn:>4} {'on' if s.prefix_cache else 'off':>5} {d['prompt_tokens_mean']:10.1f} "
+            f"{s.prefilled:9.1f} {s.cached_share:7.1%} {d['ttft_p50']:10.3f}"
+        )
+    return "\n".join(lines)
+
+
+@dataclass
+class OverloadResult:
+    """A load of long and short requests on too few slots (:func:`run_overload`)."""
+
+    preemption: bool
+    seconds: float = 0.0
+    tokens: int = 0
+    short_ttft: list[float] = field(default_factory=list)
+    long_ttft: list[float] = field(default_factory=list)
+    preemptions: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "preemption": self.preemption,
+            "seconds": round(self.seconds, 3),
+            "tokens": self.tokens,
+            "tokens_per_s": round(self.tokens_per_s, 2),
+            "preemptions": self.preemptions,
+            **{
+                f"short_ttft_p{int(q * 100)}": round(percentile(self.short_ttft, q), 3)
+                for q in (0.5, 0.9, 0.99)
+            },
+            **{
+                f"long_ttft_p{int(q * 100)}": round(percentile(self.long_ttft, q), 3)
+                for q in (0.5, 0.9, 0.99)
+            },
+        }
+
+
+async def run_overload(
+    config: EngineConfig,
+    clients: int = 32,
+    long_clients: int = 8,
+    long_tokens: int = 512,
+    short_tokens: int = 16,
+    rounds: int = 2,
+) -> OverloadResult:
+    """``clients`` closed-loop clients on ``config.n_seq`` slots, each sending ``rounds``
+    requests: ``long_clients`` of them long generations, the rest short ones (greedy, end
+    of generation ignored). Reports the TTFT of each kind and the throughput of the run."""
+    result = OverloadResult(config.preemption)
+    async with Engine(config) as engine:
+        await engine.generate(PROMPTS[0], SamplingParams(max_tokens=4))  # warm-up
+        preempted0 = engine.metrics.preemptions
+
+        async def client(k: int) -> None:
+            long = k < long_clients
+            for i in range(rounds):
+                prompt = PROMPTS[(k + i) % len(PROMPTS)]
+                params = SamplingParams(max_tokens=long_tokens if long else short_tokens, ignore_eos=True)
+                out = await engine.generate(prompt, params)
+                result.tokens += out.metrics.completion_tokens
+                if out.metrics.ttft is not None:
+                    (result.long_ttft if long else result.short_ttft).append(out.metrics.ttft)
+
+        start = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            for k in range(clients):
+                tg.start_soon(client, (k * 5) % clients)  # long and short clients interleaved
+        result.seconds = time.perf_counter() - start
+        result.preemptions = engine.metrics.preemptions - preempted0
+    return result
+
+
+def summarize_overload(results: list[OverloadResult]) -> str:
+    """Each run, then preemption on against off (medians of interleaved pairs)."""
+    head = (
+        f"{'preemption':>10} {'tok/s':>7} {'preempted':>9} {'short TTFT p50/90/99 s':>23} "
+        f"{'long TTFT p50/90/99 s':>22}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in results:
+        lines.append(
+            f"{'on' if r.preemption else 'off':>10} {r.tokens_per_s:7.1f} {r.preemptions:9d} "
+            f"{_p3(r.short_ttft, 1, '.2f'):>23} {_p3(r.long_ttft, 1, '.2f'):>22}"
+        )
+    on = [r for r in results if r.preemption]
+    off = [r for r in results if not r.preemption]
+    if on and off:
+
+        def med(xs: list[float]) -> str:
+            xs = sorted(xs)
+            return f"{xs[(len(xs) - 1) // 2]:.2f}x [{xs[0]:.2f}, {xs[-1]:.2f}]"
+
+        pairs = list(zip(on, off, strict=False))
+        ttft = [percentile(b.short_ttft, 0.99) / percentile(a.short_ttft, 0.99) for a, b in pairs]
+        tput = [a.tokens_per_s / b.tokens_per_s for a, b in pairs if b.tokens_per_s]
+        lines += [
+            "",
+            f"preemption on vs off ({len(pairs)} interleaved pairs, median [min, max]): short requests' "
+            f"TTFT p99 {med(ttft)} sooner; throughput {med(tput)}",
+        ]
+    return "\n".join(lines)
 
 
 def _p3(values: list[float], scale: float, fmt: str) -> str:
@@ -378,41 +605,73 @@ def _p3(values: list[float], scale: float, fmt: str) -> str:
 
 
 def medians(results: list[BenchResult]) -> list[BenchResult]:
-    """One run per (N, speculative type): the run with the median throughput of its repeats."""
+    """One run per (N, variant): the run with the median throughput of its repeats."""
     groups: dict[tuple[int, str], list[BenchResult]] = {}
     for r in results:
-        groups.setdefault((r.n_streams, r.speculative), []).append(r)
+        groups.setdefault((r.n_streams, r.variant), []).append(r)
     return [sorted(g, key=lambda r: r.tokens_per_s)[(len(g) - 1) // 2] for g in groups.values()]
 
 
 def speedups(
     results: list[BenchResult], reference: str = "none"
 ) -> list[tuple[int, str, float, float, float]]:
-    """(N, type, median, min, max) of each type's throughput ÷ ``reference``'s, paired run
-    by run in the order they ran (interleaved repeats: A, B, A, B, ...)."""
+    """(N, variant, median, min, max) of each speculative type's throughput ÷ ``reference``'s
+    with the same prefix cache setting, paired run by run in the order they ran (interleaved
+    repeats: A, B, A, B, ...)."""
     out = []
     for n in sorted({r.n_streams for r in results}):
-        ref = [r for r in results if r.n_streams == n and r.speculative == reference]
-        for spec in dict.fromkeys(r.speculative for r in results if r.speculative != reference):
-            runs = [r for r in results if r.n_streams == n and r.speculative == spec]
+        for variant in dict.fromkeys(r.variant for r in results if r.speculative != reference):
+            runs = [r for r in results if r.n_streams == n and r.variant == variant]
+            ref = [
+                r
+                for r in results
+                if r.n_streams == n
+                and r.speculative == reference
+                and runs
+                and r.prefix_cache == runs[0].prefix_cache
+            ]
             ratio = paired_ratio(runs, ref)
             if ratio is not None:
-                out.append((n, spec, *ratio))
+                out.append((n, variant, *ratio))
     return out
+
+
+def reuse_ratios(
+    results: list[BenchResult],
+) -> list[tuple[int, str, tuple[float, float, float], tuple[float, float, float]]]:
+    """(N, speculative type, throughput ratio, TTFT p50 ratio) of prefix cache on against
+    off, each a (median, min, max) over runs paired in the order they ran; the TTFT ratio
+    is off ÷ on (how many times sooner the first token comes)."""
+    out = []
+    for n in sorted({r.n_streams for r in results}):
+        for spec in dict.fromkeys(r.speculative for r in results):
+            on = [r for r in results if (r.n_streams, r.speculative, r.prefix_cache) == (n, spec, True)]
+            off = [r for r in results if (r.n_streams, r.speculative, r.prefix_cache) == (n, spec, False)]
+            tput = paired_ratio(on, off)
+            ttft = _paired(off, on, lambda r: percentile(r.ttft, 0.5))
+            if tput is not None and ttft is not None:
+                out.append((n, spec, tput, ttft))
+    return out
+
+
+def _paired(
+    a: Sequence[BenchResult], b: Sequence[BenchResult], value: Callable[[BenchResult], float]
+) -> tuple[float, float, float] | None:
+    r = sorted(value(x) / value(y) for x, y in zip(a, b, strict=False) if value(y) > 0)
+    return (r[(len(r) - 1) // 2], r[0], r[-1]) if r else None
 
 
 def paired_ratio(a: Sequence[BenchResult], b: Sequence[BenchResult]) -> tuple[float, float, float] | None:
     """Median, min and max of ``a[i]`` ÷ ``b[i]`` throughput, runs paired in the order they
     ran (None when no pair has a throughput to divide by)."""
-    r = sorted(x.tokens_per_s / y.tokens_per_s for x, y in zip(a, b, strict=False) if y.tokens_per_s)
-    return (r[(len(r) - 1) // 2], r[0], r[-1]) if r else None
+    return _paired(a, b, lambda r: r.tokens_per_s)
 
 
 def summarize(results: list[BenchResult]) -> str:
     """A table (medians of repeats): steady-state tok/s, the raw decode ceiling and the ratio
     to it, acceptance, occupancy, latencies; then speculation on ÷ off per N."""
     head = (
-        f"{'N':>4} {'spec':>14} {'tok/s':>8} {'raw tok/s':>10} {'ratio':>6} {'req/s':>6} {'drafted':>8} "
+        f"{'N':>4} {'spec':>23} {'tok/s':>8} {'raw tok/s':>10} {'ratio':>6} {'req/s':>6} {'cached':>6} {'drafted':>8} "
         f"{'accept':>7} {'acc.len':>7} {'occup':>6} {'TTFT p50/90/99 s':>18} {'ITL p50/90/99 ms':>18} "
         f"{'e2e p50/90/99 s':>18}"
     )
@@ -421,22 +680,31 @@ def summarize(results: list[BenchResult]) -> str:
         raw = r.raw_tokens_per_s
         ratio = f"{r.tokens_per_s / raw:6.2f}" if raw else "     -"
         lines.append(
-            f"{r.n_streams:>4} {r.speculative:>14} {r.tokens_per_s:8.1f} "
-            f"{(raw or float('nan')):10.1f} {ratio} {r.requests_per_s:6.2f} {r.drafted:8d} "
+            f"{r.n_streams:>4} {r.variant:>23} {r.tokens_per_s:8.1f} "
+            f"{(raw or float('nan')):10.1f} {ratio} {r.requests_per_s:6.2f} "
+            f"{r.cached_tokens / r.prompt_tokens if r.prompt_tokens else 0:6.0%} {r.drafted:8d} "
             f"{r.acceptance_rate:7.1%} {r.mean_acceptance_length:7.2f} {r.occupancy:6.2f} "
             f"{_p3(r.ttft, 1, '.2f'):>18} {_p3(r.itl, 1000, '.0f'):>18} {_p3(r.e2e, 1, '.2f'):>18}"
         )
     ups = speedups(results)
     if ups:
-        repeats = max(sum(1 for r in results if (r.n_streams, r.speculative) == (n, s)) for n, s, *_ in ups)
+        repeats = max(sum(1 for r in results if (r.n_streams, r.variant) == (n, s)) for n, s, *_ in ups)
         lines += [
             "",
             f"speculation on ÷ off, steady state (median of {repeats} interleaved repeats [min, max]):",
         ]
         for n, spec, med, lo, hi in ups:
-            drafted = sum(r.drafted for r in results if (r.n_streams, r.speculative) == (n, spec))
+            drafted = sum(r.drafted for r in results if (r.n_streams, r.variant) == (n, spec))
             note = "" if drafted else "  (drafted nothing)"
-            lines.append(f"  N={n:<3} {spec:>14}: {med:5.2f}x  [{lo:.2f}, {hi:.2f}]{note}")
+            lines.append(f"  N={n:<3} {spec:>23}: {med:5.2f}x  [{lo:.2f}, {hi:.2f}]{note}")
+    reuse = reuse_ratios(results)
+    if reuse:
+        lines += ["", "prefix cache on ÷ off (median of interleaved repeats [min, max]):"]
+        for n, spec, (tm, tlo, thi), (fm, flo, fhi) in reuse:
+            lines.append(
+                f"  N={n:<3} {spec:>14}: throughput {tm:5.2f}x [{tlo:.2f}, {thi:.2f}], "
+                f"TTFT p50 {fm:5.2f}x sooner [{flo:.2f}, {fhi:.2f}]"
+            )
     return "\n".join(lines)
 
 
@@ -449,7 +717,7 @@ def plot(results: list[BenchResult], path: str | Path, title: str = "") -> None:
     import matplotlib.pyplot as plt
 
     results = medians(results)
-    specs = list(dict.fromkeys(r.speculative for r in results))
+    specs = list(dict.fromkeys(r.variant for r in results))
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5), constrained_layout=True)
     panels: list[tuple[str, Callable[[BenchResult], float]]] = [
         ("output tokens/s", lambda r: r.tokens_per_s),
@@ -458,7 +726,7 @@ def plot(results: list[BenchResult], path: str | Path, title: str = "") -> None:
     ]
     for ax, (label, value) in zip(axes, panels, strict=True):
         for spec in specs:
-            rows = sorted((r for r in results if r.speculative == spec), key=lambda r: r.n_streams)
+            rows = sorted((r for r in results if r.variant == spec), key=lambda r: r.n_streams)
             name = "no speculation" if spec == "none" else spec
             ax.plot([r.n_streams for r in rows], [value(r) for r in rows], marker="o", label=name)
         ax.set_xscale("log", base=2)

@@ -1,11 +1,13 @@
 """A terminal chatbot on the engine: streamed replies in the model's chat template, and
 multi-turn conversations that do not re-read their history.
 
-Each reply ends with the sequence's state (``checkpoint=True``); the next turn resumes
-from it (``resume_from``) and feeds only the new tokens: the end of the assistant's turn
-and the next user message, rendered by the same template. ``/save FILE`` writes the
-messages and that state to disk, ``/load FILE`` resumes it, in this process or another
-one started with the same models and options.
+Each turn sends the whole conversation, as an OpenAI-style client does; the engine's prefix
+cache finds the previous turn's sequence still in its slot and reads only the new tokens.
+Each reply also ends with the sequence's state (``checkpoint=True``): ``/save FILE`` writes
+the messages and that state to disk, ``/load FILE`` resumes it (``resume_from``, feeding
+only the end of the assistant's turn and the next user message, rendered by the same
+template), in this process or another one started with the same models and options. An
+engine without a prefix cache (turned off, or a recurrent target) resumes every turn so.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ class Conversation:
 
     messages: list[Message] = field(default_factory=list)
     checkpoint: bytes | None = None
+    #: loaded from disk: the next turn resumes from the checkpoint (no cache holds it yet)
+    resume_next: bool = False
 
     def save(self, path: str | Path) -> None:
         data = {
@@ -62,7 +66,7 @@ class Conversation:
                 raise ValueError("not a saved conversation")
             messages = [{"role": str(m["role"]), "content": str(m["content"])} for m in data["messages"]]
             ck = data.get("checkpoint")
-            return cls(messages, base64.b64decode(ck) if ck else None)
+            return cls(messages, base64.b64decode(ck) if ck else None, resume_next=ck is not None)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"cannot load {path}: {exc}") from None
 
@@ -77,7 +81,7 @@ class TurnResult:
     accepted: int
     ttft: float | None
     prompt_tokens: int  #: tokens read for this turn (only the new ones when reused)
-    cached_tokens: int  #: tokens of history not read again
+    cached_tokens: int  #: tokens of history not read again (prefix cache or checkpoint)
     cold_ttft: float | None = None  #: the same turn from scratch (when measured)
 
     def status(self) -> str:
@@ -161,12 +165,13 @@ class ChatSession:
     ) -> TurnResult:
         """Answer one user message, streaming the reply's text to ``on_text``."""
         user = {"role": "user", "content": text}
-        continuation = await self._continuation(user)
         conv = self.conversation
+        resume_turn = conv.resume_next or not self.engine.prefix_cache
+        continuation = await self._continuation(user) if resume_turn else None
         prompt: Any
         if continuation is not None:
             (prompt, cached), resume = continuation, conv.checkpoint
-        else:
+        else:  # the whole conversation: the prefix cache holds what the last turn left
             prompt, cached, resume = [*conv.messages, user], 0, None
         try:
             final = await self._stream(prompt, resume, on_text)
@@ -178,7 +183,7 @@ class ChatSession:
             final = await self._stream(prompt, None, on_text)
         m = final.metrics
         conv.messages += [user, {"role": "assistant", "content": final.text}]
-        conv.checkpoint = final.checkpoint
+        conv.checkpoint, conv.resume_next = final.checkpoint, False
         result = TurnResult(
             final.text,
             final.finish_reason,
@@ -187,12 +192,14 @@ class ChatSession:
             m.drafted,
             m.accepted,
             m.ttft,
-            m.prompt_tokens,
-            cached,
+            m.prompt_tokens - m.cached_tokens,
+            cached or m.cached_tokens,
         )
-        if measure_cold and cached:
+        if measure_cold and result.cached_tokens:
             # the same turn read from scratch, for comparison (one token is enough)
-            cold = await self.engine.generate([*conv.messages[:-1]], SamplingParams(max_tokens=1))
+            cold = await self.engine.generate(
+                [*conv.messages[:-1]], SamplingParams(max_tokens=1), cache_prompt=False
+            )
             result.cold_ttft = cold.metrics.ttft
         return result
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import itertools
 import json
 import logging
 import shlex
@@ -21,9 +23,13 @@ from .bench import (
     machine_info,
     measure_raw,
     plot,
+    run_conversations,
     run_load,
+    run_overload,
     speedups,
     summarize,
+    summarize_overload,
+    summarize_turns,
 )
 from .chat import chat_loop
 from .scheduler import Engine, EngineConfig, SamplingParams
@@ -41,7 +47,9 @@ DEFAULT_N_DRAFT = 16
 DEFAULT_NGRAM_N = 4
 
 
-def _engine_config(args: argparse.Namespace, speculative: str, n_seq: int) -> EngineConfig:
+def _engine_config(
+    args: argparse.Namespace, speculative: str, n_seq: int, prefix_cache: bool | None = None
+) -> EngineConfig:
     spec = SpeculativeConfig(
         speculative,
         n_seq=n_seq,
@@ -56,6 +64,7 @@ def _engine_config(args: argparse.Namespace, speculative: str, n_seq: int) -> En
         n_seq=n_seq,
         n_ctx=args.n_ctx,
         threads=args.threads,
+        prefix_cache=not args.no_prefix_cache if prefix_cache is None else prefix_cache,
     )
 
 
@@ -78,6 +87,11 @@ def _add_model_args(p: argparse.ArgumentParser, n_ctx: int) -> None:
     )
     g.add_argument("--n-ctx", type=int, default=n_ctx, help=f"context of one sequence (default {n_ctx})")
     g.add_argument("--threads", type=int, help="CPU threads (default: all cores)")
+    g.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="prefill every prompt whole (default: reuse what a finished request left in the KV cache)",
+    )
 
 
 def _sampling(args: argparse.Namespace) -> SamplingParams:
@@ -95,7 +109,8 @@ async def _run(args: argparse.Namespace) -> int:
         assert final is not None
         m = final.metrics
         print(
-            f"\n\n[{args.spec}] finish={final.finish_reason} prompt={m.prompt_tokens} tokens={m.completion_tokens} "
+            f"\n\n[{args.spec}] finish={final.finish_reason} prompt={m.prompt_tokens} cached={m.cached_tokens} "
+            f"tokens={m.completion_tokens} "
             f"tok/s={m.tokens_per_s:.1f} TTFT={1000 * (m.ttft or 0):.0f}ms drafted={m.drafted} "
             f"accepted={m.accepted} acceptance={m.acceptance_rate:.1%} "
             f"mean acceptance length={m.mean_acceptance_length:.2f}",
@@ -105,7 +120,8 @@ async def _run(args: argparse.Namespace) -> int:
 
 
 async def _chat(args: argparse.Namespace) -> int:
-    async with Engine(_engine_config(args, args.spec, 1)) as engine:
+    # a second sequence measures the cold start without evicting the conversation's
+    async with Engine(_engine_config(args, args.spec, 1 if args.no_cold else 2)) as engine:
         return await chat_loop(engine, _sampling(args), system=args.system, measure_cold=not args.no_cold)
 
 
@@ -131,19 +147,33 @@ async def _bench(args: argparse.Namespace) -> int:
     args.model = model
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    caches = {"on": [True], "off": [False], "on,off": [True, False], "off,on": [False, True]}.get(
+        args.prefix_cache
+    )
+    if caches is None or (args.no_prefix_cache and args.prefix_cache != "on"):
+        raise SystemExit("--prefix-cache takes on, off or on,off (and replaces --no-prefix-cache)")
+    if args.no_prefix_cache:
+        caches = [False]
+    if args.chat:
+        print(f"model: {model}", flush=True)
+        return await _bench_chat(args, specs[0], caches, model, out)
+    if args.overload:
+        print(f"model: {model}", flush=True)
+        return await _bench_overload(args, specs[0], model, out)
     print(f"model: {model}\nraw batched decode (llama.cpp, no scheduling) at N = {n_values} ...", flush=True)
     raw = await anyio.to_thread.run_sync(measure_raw, model, n_values, args.threads)
     results: list[BenchResult] = []
     for n in n_values:
         for rep in range(args.repeats):  # interleaved: A, B, A, B, ... (the machine drifts)
-            for spec in specs:
+            for spec, cache in itertools.product(specs, caches):
                 n_req = None if args.duration else (args.requests or default_requests(n))
                 what = f"{args.duration:g} s" if args.duration else f"{n_req} requests"
                 label = f" repeat {rep + 1}/{args.repeats}" if args.repeats > 1 else ""
-                print(f"engine: {spec:>14} N={n:<3} {what} x {args.max_tokens} tokens{label} ...", flush=True)
-                tick, close = _progress(n_req, f"{spec} N={n}")
+                name = spec if cache else f"{spec} no-cache"
+                print(f"engine: {name:>23} N={n:<3} {what} x {args.max_tokens} tokens{label} ...", flush=True)
+                tick, close = _progress(n_req, f"{name} N={n}")
                 r = await run_load(
-                    _engine_config(args, spec, args.n_seq or n),
+                    _engine_config(args, spec, args.n_seq or n, cache),
                     n,
                     n_req,
                     args.max_tokens,
@@ -164,6 +194,7 @@ async def _bench(args: argparse.Namespace) -> int:
         "settings": {
             "streams": n_values,
             "speculative": specs,
+            "prefix_cache": caches,
             "prompts": args.prompts,
             "max_tokens": args.max_tokens,
             "requests": args.requests,
@@ -196,6 +227,63 @@ async def _bench(args: argparse.Namespace) -> int:
         print(f"wrote {out / 'bench.png'}")
     except ImportError:
         print("no plot: matplotlib is missing (pip install 'llama-spec-engine[demo]')")
+    return 0
+
+
+async def _bench_chat(args: argparse.Namespace, spec: str, caches: list[bool], model: str, out: Path) -> int:
+    stats = []
+    for cache in caches:
+        print(
+            f"engine: {args.conversations} conversations x {args.turns} turns, whole conversation resent, "
+            f"prefix cache {'on' if cache else 'off'} ...",
+            flush=True,
+        )
+        stats += await run_conversations(
+            _engine_config(args, spec, args.n_seq or args.conversations, cache),
+            args.conversations,
+            args.turns,
+            args.max_tokens,
+        )
+    print()
+    print(summarize_turns(stats))
+    report = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "model": Path(model).name,
+        "machine": machine_info(),
+        "command": "python -m engine " + shlex.join(args.argv),
+        "turns": [s.as_dict() for s in stats],
+    }
+    (out / "bench-chat.json").write_text(json.dumps(report, indent=2))
+    print(f"\nwrote {out / 'bench-chat.json'}")
+    return 0
+
+
+async def _bench_overload(args: argparse.Namespace, spec: str, model: str, out: Path) -> int:
+    n_seq = args.n_seq or 4
+    results = []
+    for rep in range(args.repeats):  # interleaved: on, off, on, off, ...
+        for preemption in (True, False):
+            print(
+                f"engine: {args.clients} clients ({args.clients // 4} long: {args.long_tokens} tokens, the rest "
+                f"{args.max_tokens}) on {n_seq} slots, preemption {'on' if preemption else 'off'}"
+                f"{f' repeat {rep + 1}/{args.repeats}' if args.repeats > 1 else ''} ...",
+                flush=True,
+            )
+            config = dataclasses.replace(_engine_config(args, spec, n_seq), preemption=preemption)
+            results.append(
+                await run_overload(config, args.clients, args.clients // 4, args.long_tokens, args.max_tokens)
+            )
+    print()
+    print(summarize_overload(results))
+    report = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "model": Path(model).name,
+        "machine": machine_info(),
+        "command": "python -m engine " + shlex.join(args.argv),
+        "runs": [r.as_dict() for r in results],
+    }
+    (out / "bench-overload.json").write_text(json.dumps(report, indent=2))
+    print(f"\nwrote {out / 'bench-overload.json'}")
     return 0
 
 
@@ -257,9 +345,31 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--prompts",
         default="mixed",
-        help=f"prompt set ({', '.join(PROMPT_SETS)}; copy = copy-heavy) or a file, one prompt per line "
+        help=f"prompt set ({', '.join(PROMPT_SETS)}; copy = copy-heavy, shared = a ~1,000-token system prompt "
+        "and short questions) or a file, one prompt per line "
         "or .jsonl with a 'prompt' field (default mixed)",
     )
+    bench.add_argument(
+        "--prefix-cache",
+        default="on",
+        help="on, off, or on,off to compare prefix reuse (interleaved, like --spec; default on)",
+    )
+    bench.add_argument(
+        "--chat",
+        action="store_true",
+        help="instead of the load test: --conversations chats at once, --turns turns each, every turn "
+        "resending the whole conversation; reports the prompt tokens actually prefilled per turn",
+    )
+    bench.add_argument(
+        "--overload",
+        action="store_true",
+        help="instead of the load test: --clients clients (a quarter of them long, --long-tokens tokens; the "
+        "rest --max-tokens) on --n-seq slots (default 4), preemption on vs off",
+    )
+    bench.add_argument("--clients", type=int, default=32, help="with --overload (default 32)")
+    bench.add_argument("--long-tokens", type=int, default=512, help="with --overload (default 512)")
+    bench.add_argument("--conversations", type=int, default=8, help="with --chat (default 8)")
+    bench.add_argument("--turns", type=int, default=6, help="with --chat (default 6)")
     bench.add_argument("--max-tokens", type=int, default=48, help="tokens per request (default 48)")
     bench.add_argument("--n-seq", type=int, help="sequence slots (default: N; fewer makes requests queue)")
     bench.add_argument("--out", default="bench-results", help="where bench.json and bench.png go")

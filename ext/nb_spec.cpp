@@ -618,6 +618,14 @@ NB_MODULE(_nb_spec, m) {
              "seq"_a, "n_accepted"_a)
         .def("capture", [](StepPlan & p, int32_t seq) { p.captures.push_back(seq); }, "seq"_a)
         .def("clear", [](StepPlan & p, int32_t seq) { p.clears.push_back(seq); }, "seq"_a)
+        .def("park", [](StepPlan & p, int32_t seq, uint64_t key) { p.parks.push_back({seq, key}); },
+             "seq"_a, "key"_a)
+        .def("unpark", [](StepPlan & p, int32_t seq, uint64_t key) { p.unparks.push_back({seq, key}); },
+             "seq"_a, "key"_a)
+        .def("drop_parked", [](StepPlan & p, uint64_t key) { p.drops.push_back(key); }, "key"_a)
+        .def("reuse", [](StepPlan & p, int32_t seq, std::vector<int32_t> prefix) {
+                p.reuses.push_back({seq, std::move(prefix)});
+            }, "seq"_a, "prefix"_a)
         .def("restore", [](StepPlan & p, int32_t seq, nb::bytes target, nb::bytes draft, nb::bytes spec) {
                 p.restores.push_back({seq, to_state(target, draft, spec)});
             }, "seq"_a, "target"_a, "draft"_a, "spec"_a)

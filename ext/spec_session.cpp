@@ -568,6 +568,42 @@ void SpecSession::restore_sequence(int32_t seq_id, const SequenceState & state) 
     }
 }
 
+namespace {
+
+// The lowest position a sliding window needs when the next token goes at position n.
+void check_window(const Context & ctx, int32_t seq_id, int32_t n, const char * which) {
+    const int32_t n_swa = llama_model_n_swa(ctx.model()->get());
+    if (n_swa <= 0) return;
+    const int64_t pos_min = ctx.seq_pos_min(seq_id);
+    if (pos_min > std::max(0, n - n_swa + 1)) {
+        fail(ErrorKind::State, std::string("the ") + which + " cache's sliding window no longer holds position " +
+                                   std::to_string(std::max(0, n - n_swa + 1)) + " of sequence " +
+                                   std::to_string(seq_id) + " (it starts at " + std::to_string(pos_min) + ")");
+    }
+}
+
+}  // namespace
+
+void SpecSession::keep_prefix(int32_t seq_id, const std::vector<llama_token> & prefix) {
+    check_seq(seq_id);
+    if (pending_[seq_id] >= 0) fail(ErrorKind::ProposalPending, "sequence " + std::to_string(seq_id) + " has a pending proposal");
+    const auto & h = history_[seq_id];
+    if (prefix.empty() || prefix.size() > h.size() || !std::equal(prefix.begin(), prefix.end(), h.begin())) {
+        fail(ErrorKind::InvalidArgument, "sequence " + std::to_string(seq_id) + " does not hold that prefix (" +
+                                             std::to_string(prefix.size()) + " tokens; it holds " +
+                                             std::to_string(h.size()) + ")");
+    }
+    const ModelInfo & tm = target_->model()->info();
+    if (tm.is_recurrent || tm.is_hybrid) {
+        fail(ErrorKind::State, "a recurrent/hybrid target's state cannot be cut back to a prefix");
+    }
+    const int32_t n = static_cast<int32_t>(prefix.size());
+    check_window(*target_, seq_id, n, "target");
+    if (draft_) check_window(*draft_, seq_id, n, "draft");
+    clear_target_kv(seq_id, n, -1);
+    if (draft_) clear_draft_kv(seq_id, n, -1);
+}
+
 void SpecSession::clear_sequence(int32_t seq_id) {
     clear_target_kv(seq_id, -1, -1);
     if (draft_) clear_draft_kv(seq_id, -1, -1);

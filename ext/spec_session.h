@@ -108,6 +108,11 @@ public:
     bool clear_target_kv(int64_t seq_id, int64_t p0, int64_t p1);
     bool clear_draft_kv(int64_t seq_id, int64_t p0, int64_t p1);
     void clear_sequence(int32_t seq_id);  // target and draft KV and the history of one sequence
+    // Prefix reuse: keep the first prefix.size() positions of a sequence (target and draft KV,
+    // history) and drop the rest. InvalidArgument unless the history starts with `prefix`;
+    // State when the memory cannot be cut there (recurrent state, or a sliding window that
+    // no longer holds the positions before the cut). Nothing changes when it throws.
+    void keep_prefix(int32_t seq_id, const std::vector<llama_token> & prefix);
 
     // Tokens the session knows to be in the target context for a sequence (by position).
     const std::vector<llama_token> & history(int32_t seq_id) const { return history_.at(seq_id); }

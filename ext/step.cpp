@@ -131,7 +131,25 @@ void StepRunner::boundary(State & st) {
             fail_seq(st, seq, e);
         }
     }
+    for (const StepPark & p : st.plan.parks) {
+        s.check_seq(p.seq);
+        if (!st.failed[p.seq] && samplers_[p.seq]) parked_.insert_or_assign(p.key, std::move(*samplers_[p.seq]));
+        samplers_[p.seq].reset();
+    }
+    for (uint64_t key : st.plan.drops) parked_.erase(key);
     for (int32_t seq : st.plan.clears) clear_slot(seq);
+    for (const StepReuse & r : st.plan.reuses) {
+        s.check_seq(r.seq);
+        try {
+            if (session_->pending(r.seq)) session_->accept(r.seq, 0);
+            unsettled_[r.seq].reset();
+            samplers_[r.seq].reset();
+            s.keep_prefix(r.seq, r.prefix);
+        } catch (const std::exception & e) {
+            clear_slot(r.seq);
+            fail_seq(st, r.seq, e);
+        }
+    }
     for (const StepRestore & r : st.plan.restores) {
         clear_slot(r.seq);
         try {
@@ -149,6 +167,17 @@ void StepRunner::boundary(State & st) {
         } catch (const std::exception & e) {
             samplers_[c.seq].reset();
             fail_seq(st, c.seq, e);
+        }
+    }
+    for (const StepPark & p : st.plan.unparks) {
+        s.check_seq(p.seq);
+        auto it = parked_.find(p.key);
+        try {
+            if (it == parked_.end()) fail(ErrorKind::InvalidArgument, "no parked sampler " + std::to_string(p.key));
+            if (!st.failed[p.seq]) samplers_[p.seq].emplace(std::move(it->second));
+            parked_.erase(it);
+        } catch (const std::exception & e) {
+            fail_seq(st, p.seq, e);
         }
     }
 }

@@ -5,7 +5,7 @@
 //             sequence accepts the drafts it keeps and drops the KV rows after them (a stop
 //             inside accepted drafts keeps exactly the tokens its caller saw)
 //   boundary  every sequence is quiescent now: drafters begin on finished prompts, then
-//             captures, clears, restores and sampler configuration
+//             captures, parked samplers, clears, prefix reuses, restores and samplers
 //   draft     ONE batched draft call for every decoding sequence
 //   decode    ONE target batch with every sequence's [tokens..., drafts...] (split by
 //             n_batch only when it must be), then verification with each sequence's sampler
@@ -20,6 +20,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace engine {
@@ -46,6 +47,16 @@ struct StepConfigure {
     std::vector<int32_t> replay_generated;  // accepted as generated (penalties + grammar)
 };
 
+struct StepReuse {
+    int32_t seq = 0;
+    std::vector<int32_t> prefix;  // what the sequence keeps: a new request's prompt starts with it
+};
+
+struct StepPark {
+    int32_t seq = 0;
+    uint64_t key = 0;  // the caller's name for the parked sampler
+};
+
 struct StepSettle {
     int32_t seq = 0;
     int32_t n_accepted = 0;  // drafts the sequence keeps, <= what verification accepted
@@ -61,8 +72,12 @@ struct StepPlan {
     std::vector<StepSettle> settles;  // sequences not named keep every verified token
     std::vector<int32_t> captures;    // taken at the quiescent boundary
     std::vector<int32_t> clears;      // KV (target + draft), history and sampler of a slot
+    std::vector<StepPark> parks;      // a preempted sequence's sampler set aside (after captures)
+    std::vector<StepReuse> reuses;    // cut back to a prefix a new request shares (after clears)
     std::vector<StepRestore> restores;
     std::vector<StepConfigure> configures;
+    std::vector<StepPark> unparks;    // a parked sampler back on a (restored) sequence
+    std::vector<uint64_t> drops;      // parked samplers nobody will take back
     std::vector<StepWork> work;
 };
 
@@ -127,6 +142,9 @@ private:
     std::shared_ptr<SpecSession> session_;
     std::vector<std::optional<SequenceSampler>> samplers_;
     std::vector<std::optional<Unsettled>> unsettled_;
+    // samplers of preempted sequences (grammar, penalties and RNG as they were): a resumed
+    // sequence samples exactly what it would have without the preemption
+    std::unordered_map<uint64_t, SequenceSampler> parked_;
 };
 
 }  // namespace engine

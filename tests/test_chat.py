@@ -1,5 +1,6 @@
-"""The chatbot's turn reuse: the next turn resumes the saved sequence and reads only the
-new tokens, and its reply is what reading the whole token sequence from scratch gives."""
+"""The chatbot's turn reuse: the next turn reads only the new tokens (through the engine's
+prefix cache, or resuming the saved sequence when there is none), and its reply is what
+reading the whole conversation from scratch gives."""
 
 from __future__ import annotations
 
@@ -13,8 +14,26 @@ from tests.test_engine import config
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
 
 
+async def test_turns_reuse_the_cache_and_equal_a_cold_read(model_paths: dict[str, Path]) -> None:
+    async with Engine(config(model_paths, "llama", None, "none", 2, n_ctx=512)) as engine:
+        chat = ChatSession(engine, GREEDY, system="Be brief.")
+        first = await chat.reply("hello there, how are you today?")
+        assert first.cached_tokens == 0 and first.completion_tokens == 10
+        second = await chat.reply("and now?", measure_cold=True)
+        # the whole conversation was sent; the cache held the first turn (up to where the
+        # reply's text tokenizes differently from the tokens generated)
+        assert second.cached_tokens >= first.prompt_tokens and second.cold_ttft is not None
+        assert second.prompt_tokens < 24  # read: the reply's end, the closing, the new message
+        cold = await engine.generate(chat.conversation.messages[:-1], GREEDY, cache_prompt=False)
+        assert cold.text == second.text and cold.metrics.cached_tokens == 0
+        third = await chat.reply("one more")
+        assert third.cached_tokens > second.cached_tokens
+
+
 async def test_turns_resume_and_equal_a_cold_read(model_paths: dict[str, Path], tmp_path: Path) -> None:
-    async with Engine(config(model_paths, "walk-llama", None, "none", 2, n_ctx=512)) as engine:
+    """Without a prefix cache each turn resumes from the last reply's checkpoint."""
+    cfg = config(model_paths, "walk-llama", None, "none", 2, n_ctx=512, prefix_cache=False)
+    async with Engine(cfg) as engine:
         chat = ChatSession(engine, GREEDY, system="Be brief.")
         first = await chat.reply("hello there")
         assert first.cached_tokens == 0 and first.completion_tokens == 10

@@ -15,7 +15,7 @@ from engine.scheduler.request import RequestState
 from engine.session import ClosedError, ContextConfig, SessionError, SpeculativeSession
 from tests.aio import Task, gather
 from tests.conftest import ModelCache
-from tests.test_engine import anyio_backend, config, wait_until  # noqa: F401 - both backends
+from tests.test_engine import anyio_backend, assert_kv_accounted, config, wait_until  # noqa: F401 - both backends
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -116,7 +116,7 @@ async def test_abort_by_id_ends_a_running_request(model_paths: dict[str, Path], 
         assert [(await t.result()).token_ids for t in others] == solo
         await engine.abort("v")  # finished: a no-op
         await wait_until(lambda: engine.slots_in_use() == 0)
-        assert await engine.kv_positions() == [-1] * 4
+        await assert_kv_accounted(engine)
 
 
 def test_session_misuse_from_many_threads(models: ModelCache) -> None:
@@ -218,4 +218,4 @@ async def test_a_failing_decode_fails_only_its_request(model_paths: dict[str, Pa
         await wait_until(lambda: engine.slots_in_use() == 0)
         again = await gather(*(engine.generate(p, params) for p in prompts))
         assert [o.token_ids for o in again] == solo
-        assert await engine.kv_positions() == [-1] * 4
+        await assert_kv_accounted(engine)

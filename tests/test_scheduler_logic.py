@@ -84,9 +84,10 @@ def test_no_drafts_without_speculation() -> None:
 def test_slot_table_and_priority_queue() -> None:
     slots = SlotTable(2)
     a, b, c = (make(x, RequestState.WAITING) for x in "abc")
-    assert slots.allocate(a) == 0 and slots.allocate(b) == 1 and slots.allocate(c) is None
-    slots.release(0)
-    assert slots.n_free == 1 and slots.allocate(c) == 0
+    assert slots.allocate(a) == (0, 0, False) and slots.allocate(b) == (1, 0, False)
+    assert slots.allocate(c) is None
+    assert slots.release(0, holds=[1, 2, 3])  # no prefix cache: empty, to be cleared
+    assert slots.n_free == 1 and slots.allocate(c) == (0, 0, False)
     q = WaitQueue()
     for r in (
         make("x", RequestState.WAITING, arrival=0),

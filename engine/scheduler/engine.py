@@ -118,7 +118,14 @@ class Engine:
         self._runner = _nb_spec.StepRunner.create(self._session.native)
         fingerprint = self._session.fingerprint()
         with_draft = self._session.draft_context is not None
-        self._scheduler = Scheduler(cfg, self._model.info.eog_tokens, fingerprint, self.metrics)
+        info = self._model.info
+        self._scheduler = Scheduler(
+            cfg,
+            info.eog_tokens,
+            fingerprint,
+            self.metrics,
+            prefix_cache=cfg.prefix_cache and not (info.is_recurrent or info.is_hybrid),
+        )
         self._inputs = InputProcessor(self._model, cfg.n_ctx, fingerprint, with_draft)
         policy = self._scheduler.policy
         if spec.type != "none" and policy.adaptive:
@@ -161,18 +168,23 @@ class Engine:
         resume_from: bytes | None = None,
         priority: int = 0,
         checkpoint: bool = False,
+        cache_prompt: bool = True,
     ) -> RequestOutput:
         """Generate a completion. ``prompt``: text, token ids, or chat messages.
 
         ``resume_from`` continues a sequence from :meth:`checkpoint` bytes (the prompt is
         appended to it); ``checkpoint=True`` returns the final state in
-        ``output.checkpoint``. Cancelling the awaiting task aborts the request.
+        ``output.checkpoint``. ``cache_prompt=False``: the request neither reuses a cached
+        prefix of its prompt (see ``EngineConfig.prefix_cache``) nor leaves its sequence
+        cached. Cancelling the awaiting task aborts the request.
 
         :raises QueueFullError, InvalidArgumentError, PromptTooLongError, StateError:
         :raises RequestError: the request failed in the engine (others go on).
         :raises EngineDeadError: the engine can no longer serve.
         """
-        request = await self._submit(prompt, params, request_id, resume_from, priority, checkpoint)
+        request = await self._submit(
+            prompt, params, request_id, resume_from, priority, checkpoint, cache_prompt
+        )
         try:
             await request.done.wait()
         finally:
@@ -191,6 +203,7 @@ class Engine:
         resume_from: bytes | None = None,
         priority: int = 0,
         checkpoint: bool = False,
+        cache_prompt: bool = True,
     ) -> RequestStream:
         """Stream a completion: ``async for delta in engine.stream(...)`` yields
         :class:`Delta` pieces (whole UTF-8 characters); the last one carries the whole
@@ -202,7 +215,9 @@ class Engine:
         """
         return RequestStream(
             self,
-            lambda: self._submit(prompt, params, request_id, resume_from, priority, checkpoint, stream=True),
+            lambda: self._submit(
+                prompt, params, request_id, resume_from, priority, checkpoint, cache_prompt, stream=True
+            ),
         )
 
     async def abort(self, request_id: str) -> None:
@@ -233,6 +248,7 @@ class Engine:
         resume_from: bytes | None,
         priority: int,
         want_checkpoint: bool,
+        cache_prompt: bool = True,
         stream: bool = False,
     ) -> Request:
         scheduler, inputs = self._require_serving()
@@ -250,6 +266,7 @@ class Engine:
                 want_checkpoint=want_checkpoint,
                 arrival_index=next(self._arrivals),
             )
+            request.cache_prompt = cache_prompt
             scheduler, _ = self._require_serving()  # it may have closed while tokenizing
             if stream:
                 request.open_stream(self.config.stream_buffer)
@@ -346,6 +363,12 @@ class Engine:
         self._wakeup.set()  # a request paused on a full stream buffer may go on
 
     # --- introspection (tests, metrics) ------------------------------------------------
+    @property
+    def prefix_cache(self) -> bool:
+        """Whether finished sequences stay cached for prefix reuse (``EngineConfig.prefix_cache``,
+        unless the target's recurrent state rules it out)."""
+        return self._scheduler is not None and self._scheduler.slots.cache is not None
+
     def slots_in_use(self) -> int:
         return self.config.n_seq - self._scheduler.slots.n_free if self._scheduler else 0
 

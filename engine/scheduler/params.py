@@ -150,6 +150,16 @@ class EngineConfig:
     #: step into several passes; a unified buffer keeps every step one pass but attends over
     #: all sequences' cells, which costs more than the split once many long sequences share it.
     kv_unified: bool | None = None
+    #: keep a finished request's sequence in its slot's KV cache and give a new request the
+    #: slot holding its longest prefix (prefilling only the rest); off for recurrent/hybrid
+    #: targets, whose state cannot be cut back to a prefix
+    prefix_cache: bool = True
+    #: preempt a running request for a waiting one of higher priority, or of equal priority
+    #: once the running one has held its slot ``time_slice`` seconds: its sequence is
+    #: captured to host memory at a step boundary and resumed later exactly (no recompute)
+    preemption: bool = True
+    time_slice: float | None = 5.0  #: None: only a higher priority preempts
+    swap_space_mib: int = 1024  #: host memory for preempted requests' state; beyond it, wait
 
     def __post_init__(self) -> None:
         _check(
@@ -170,6 +180,15 @@ class EngineConfig:
             "prefill_reserve must be >= 1",
         )
         _check(self.draft_policy in ("adaptive", "fixed"), "draft_policy must be 'adaptive' or 'fixed'")
+        _check(isinstance(self.prefix_cache, bool), "prefix_cache must be a bool")
+        _check(isinstance(self.preemption, bool), "preemption must be a bool")
+        _check(
+            self.time_slice is None or (isinstance(self.time_slice, int | float) and self.time_slice > 0),
+            "time_slice must be > 0 seconds (or None)",
+        )
+        _check(
+            isinstance(self.swap_space_mib, int) and self.swap_space_mib >= 0, "swap_space_mib must be >= 0"
+        )
         _check(isinstance(self.stream_buffer, int) and self.stream_buffer >= 4, "stream_buffer must be >= 4")
         spec = self.speculative
         if isinstance(spec, str):

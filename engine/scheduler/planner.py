@@ -3,51 +3,92 @@
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+import itertools
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .. import _nb_spec
 from .policy import Drafting, DraftPolicy
+from .prefix import PrefixCache
 from .request import Request, RequestState
 
-__all__ = ["Plan", "SlotTable", "WaitQueue", "WorkItem", "plan_step"]
+__all__ = ["Grant", "Plan", "SlotTable", "WaitQueue", "WorkItem", "plan_step"]
+
+
+class Grant(NamedTuple):
+    """A slot given to a request."""
+
+    slot: int
+    keep: int  #: tokens of the request's prompt the slot's KV cache already holds
+    cached: bool  #: the slot held a cached sequence (cut back to ``keep``, or cleared when 0)
 
 
 class SlotTable:
-    """Free list of the ``n_seq`` sequence ids."""
+    """The ``n_seq`` sequence ids: held by a request, cached (idle, holding the sequence of
+    a request that ended, for prefix reuse) or empty."""
 
-    def __init__(self, n_seq: int) -> None:
-        self._free = list(range(n_seq))  # a heap: the lowest free id first
+    def __init__(self, n_seq: int, prefix_cache: bool = False) -> None:
+        self._free = list(range(n_seq))  # a heap: the lowest empty id first
         self.n_seq = n_seq
         self.owner: dict[int, Request] = {}
+        self.cache = PrefixCache() if prefix_cache else None
 
-    def allocate(self, request: Request) -> int | None:
-        if not self._free:
+    def allocate(self, request: Request, prompt: Sequence[int] = ()) -> Grant | None:
+        """A slot for ``request``: the cached one holding the longest prefix of ``prompt``
+        when it saves enough, else an empty one, else the least recently used cached one."""
+        taken = self.cache.take(prompt, have_empty=bool(self._free)) if self.cache is not None else None
+        if taken is not None:
+            grant = Grant(taken[0], taken[1], True)
+        elif self._free:
+            grant = Grant(heapq.heappop(self._free), 0, False)
+        else:
             return None
-        slot = heapq.heappop(self._free)
-        self.owner[slot] = request
-        return slot
+        self.owner[grant.slot] = request
+        return grant
 
-    def release(self, slot: int) -> None:
+    def release(self, slot: int, holds: Sequence[int] = ()) -> bool:
+        """Give ``slot`` back. With ``holds`` (the tokens its KV cache holds) and prefix reuse
+        on, it stays cached; else it is empty. Returns whether it must be cleared."""
         del self.owner[slot]
+        if holds and self.cache is not None:
+            self.cache.put(slot, holds)
+            return False
         heapq.heappush(self._free, slot)
+        return True
+
+    def forget(self, slot: int) -> bool:
+        """A cached slot must not be reused (its KV may be gone): it is empty from now on.
+        Returns whether it was cached (and must be cleared)."""
+        if self.cache is None or slot not in self.cache:
+            return False
+        self.cache.pop(slot)
+        heapq.heappush(self._free, slot)
+        return True
 
     @property
     def n_free(self) -> int:
-        return len(self._free)
+        """Slots a request can have now: empty and cached ones."""
+        return len(self._free) + (len(self.cache) if self.cache is not None else 0)
 
 
 class WaitQueue:
-    """FIFO admission; a higher ``priority`` goes first, arrival order breaks ties."""
+    """FIFO admission; a higher ``priority`` goes first, the order of entry breaks ties (a
+    preempted request enters again at the back of its priority)."""
 
     def __init__(self) -> None:
         self._heap: list[tuple[int, int, Request]] = []
+        self._entries = itertools.count()
 
     def push(self, request: Request) -> None:
-        heapq.heappush(self._heap, (-request.priority, request.arrival_index, request))
+        heapq.heappush(self._heap, (-request.priority, next(self._entries), request))
 
     def pop(self) -> Request:
         return heapq.heappop(self._heap)[2]
+
+    def first(self, n: int) -> list[Request]:
+        """The ``n`` requests that would be popped next, in order."""
+        return [e[2] for e in heapq.nsmallest(n, self._heap)]
 
     def remove(self, request: Request) -> bool:
         for i, entry in enumerate(self._heap):
@@ -79,23 +120,41 @@ class WorkItem:
 
 @dataclass
 class Plan:
-    """One step: boundary work first (settles, captures, clears, restores, samplers), then
-    the work. Plain data; :meth:`native` hands it to the extension."""
+    """One step: boundary work first (settles, captures, clears, prefix reuses, restores,
+    samplers), then the work. Plain data; :meth:`native` hands it to the extension."""
 
     #: (slot, drafts kept) for sequences whose last verification ended inside its drafts
     settles: list[tuple[int, int]] = field(default_factory=list)
     captures: list[Request] = field(default_factory=list)
     clears: list[int] = field(default_factory=list)
+    #: (slot, prefix): a cached slot cut back to the prefix a new request shares
+    reuses: list[tuple[int, list[int]]] = field(default_factory=list)
+    #: (slot, request): preempted; its sequence is captured and its sampler parked first
+    preempted: list[tuple[int, Request]] = field(default_factory=list)
+    #: parked samplers of requests that ended while swapped out
+    drops: list[int] = field(default_factory=list)
     admitted: list[Request] = field(default_factory=list)
     work: list[WorkItem] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        return not (self.settles or self.captures or self.clears or self.admitted or self.work)
+        return not (
+            self.settles
+            or self.captures
+            or self.clears
+            or self.reuses
+            or self.preempted
+            or self.drops
+            or self.admitted
+            or self.work
+        )
 
     def requests(self) -> list[Request]:
         """Every request this step touches."""
-        touched = {id(r): r for r in (*self.captures, *self.admitted, *(w.request for w in self.work))}
+        preempted = (r for _, r in self.preempted)
+        touched = {
+            id(r): r for r in (*self.captures, *preempted, *self.admitted, *(w.request for w in self.work))
+        }
         return list(touched.values())
 
     def native(self, output_align: int = 1, align_from: int = 0) -> _nb_spec.StepPlan:
@@ -107,12 +166,25 @@ class Plan:
         for r in self.captures:
             assert r.slot is not None
             p.capture(r.slot)
+        for slot, r in self.preempted:
+            assert r.parked is not None
+            p.capture(slot)
+            p.park(slot, r.parked)
+        for key in self.drops:
+            p.drop_parked(key)
         for slot in self.clears:
             p.clear(slot)
+        for slot, prefix in self.reuses:
+            p.reuse(slot, prefix)
         for r in self.admitted:
             assert r.slot is not None
-            if r.resume is not None:
-                p.restore(r.slot, r.resume.target, r.resume.draft, r.resume.spec)
+            if r.resume is None:  # (a reused prefix is prompt: nothing to replay)
+                p.configure(r.slot, r.params.native(r.seed))
+                continue
+            p.restore(r.slot, r.resume.target, r.resume.draft, r.resume.spec)
+            if r.parked is not None:  # preempted: its own sampler, as it was
+                p.unpark(r.slot, r.parked)
+                continue
             p.configure(
                 r.slot,
                 r.params.native(r.seed),

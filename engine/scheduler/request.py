@@ -28,11 +28,14 @@ __all__ = [
 
 
 class RequestState(enum.Enum):
-    """WAITING → PREFILL → DECODE → (FINISHING) → FINISHED; any state may go to FINISHED."""
+    """WAITING → PREFILL → DECODE → (FINISHING) → FINISHED; any state may go to FINISHED.
+    A preempted request goes DECODE → SWAPPING → WAITING (its state in host memory) and
+    back through PREFILL (its last token) to DECODE."""
 
     WAITING = "waiting"  #: queued for a sequence slot
     PREFILL = "prefill"  #: holds a slot; its prompt is being read
     DECODE = "decode"  #: generating
+    SWAPPING = "swapping"  #: preempted: its sequence is captured at this step's boundary
     FINISHING = "finishing"  #: generation ended; its final state is captured at the next boundary
     FINISHED = "finished"  #: handed to the caller (result or error)
 
@@ -42,10 +45,12 @@ class RequestMetrics:
     """Per-request figures; times are seconds."""
 
     prompt_tokens: int = 0
+    cached_tokens: int = 0  #: prompt tokens a cached prefix saved from prefill
     completion_tokens: int = 0
     drafted: int = 0
     accepted: int = 0
     decode_steps: int = 0  #: target verifications that produced tokens
+    preemptions: int = 0  #: times its state was swapped out to let another request run
     arrival: float = 0.0
     first_token: float | None = None
     finished: float | None = None
@@ -73,9 +78,11 @@ class RequestMetrics:
     def as_dict(self) -> dict[str, Any]:
         return {
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "completion_tokens": self.completion_tokens,
             "drafted": self.drafted,
             "accepted": self.accepted,
+            "preemptions": self.preemptions,
             "acceptance_rate": self.acceptance_rate,
             "mean_acceptance_length": self.mean_acceptance_length,
             "ttft": self.ttft,
@@ -152,8 +159,17 @@ class Request:
     arrival_index: int = 0
     resume: Resume | None = None
     want_checkpoint: bool = False
+    #: reuse a cached prefix of its prompt, and leave its sequence cached when it ends
+    cache_prompt: bool = True
     state: RequestState = RequestState.WAITING
     slot: int | None = None
+    held_since: float = 0.0  #: when it got its slot (the time slice counts from there)
+    #: its KV cache came from captured state (a checkpoint, or a preemption): the cells a
+    #: sliding window hid were not captured, so its sequence is not cached for reuse
+    restored: bool = False
+    #: preempted: the name of its parked sampler, and the bytes its swapped state holds
+    parked: int | None = None
+    swap_bytes: int = 0
     # the sequence: tokens in the KV cache in order (prompt, then kept output), how many of
     # them count as prompt (sampler replay), what is left to read, the last sampled token
     history: list[int] = field(default_factory=list)

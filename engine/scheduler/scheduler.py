@@ -23,7 +23,7 @@ from .output import FinishReason, StopRules, process_output
 from .params import EngineConfig
 from .planner import Plan, SlotTable, WaitQueue, WorkItem, plan_step
 from .policy import DraftPolicy
-from .request import Delta, Request, RequestState
+from .request import Delta, Request, RequestState, Resume
 
 __all__ = ["EngineMetrics", "Scheduler"]
 
@@ -50,6 +50,11 @@ class EngineMetrics:
     cut_tokens: int = 0  #: verified tokens dropped because a stop came before them
     accepted_per_position: list[int] = field(default_factory=list)
     requests_finished: int = 0
+    prompt_tokens: int = 0  #: prompt tokens of the requests admitted
+    cached_tokens: int = 0  #: of those, tokens a cached prefix saved from prefill
+    prefix_hits: int = 0  #: requests that reused a cached prefix
+    preemptions: int = 0  #: running requests swapped out for waiting ones
+    swapped_bytes: int = 0  #: host memory held by swapped-out requests' state now
     queue_depth: int = 0
     started: float = field(default_factory=time.perf_counter)
 
@@ -66,6 +71,11 @@ class EngineMetrics:
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
 
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Share of admitted prompt tokens the prefix cache saved from prefill."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
 
 class Scheduler:
     """The requests of one engine and the slots they hold."""
@@ -76,17 +86,20 @@ class Scheduler:
         eog_tokens: Sequence[int],
         fingerprint: dict[str, Any],
         metrics: EngineMetrics,
+        prefix_cache: bool = False,
     ) -> None:
         self.config = config
         self.metrics = metrics
         self.fingerprint = fingerprint
         self.requests: dict[str, Request] = {}
-        self.slots = SlotTable(config.n_seq)
+        self.slots = SlotTable(config.n_seq, prefix_cache=prefix_cache)
         self.waiting = WaitQueue()
         self.policy = DraftPolicy(adaptive=config.draft_policy == "adaptive", uniform=not config.unified_kv)
         self._eog = tuple(eog_tokens)
         self._settles: dict[int, int] = {}  # slot -> drafts kept, settled at the next boundary
         self._to_clear: list[int] = []  # slots given back, cleared at the next boundary
+        self._drops: list[int] = []  # parked samplers of requests that ended swapped out
+        self._swap_per_token: float | None = None  # bytes of swapped state per token, as measured
 
     # --- requests ----------------------------------------------------------------------
     def check_admissible(self, request_id: str) -> None:
@@ -114,9 +127,17 @@ class Scheduler:
         if r.state is RequestState.WAITING:
             self.waiting.remove(r)
             self.metrics.queue_depth = len(self.waiting)
+        if r.parked is not None and r.slot is None:  # swapped out: its state goes
+            self._drops.append(r.parked)
+            self.metrics.swapped_bytes -= r.swap_bytes
+            r.parked, r.swap_bytes, r.resume = None, 0, None
         if r.slot is not None:  # (a settle decided for it still applies before the clear)
-            self.slots.release(r.slot)
-            self._to_clear.append(r.slot)
+            # its KV cache holds r.history (and perhaps a step's tokens after it): kept for
+            # prefix reuse unless it failed or was restored from captured state
+            cacheable = r.cache_prompt and not r.restored and reason != FinishReason.ERROR.value
+            keep = r.history if cacheable else ()
+            if self.slots.release(r.slot, keep):
+                self._to_clear.append(r.slot)
             r.slot = None
         r.finish(reason, error)
         self.requests.pop(r.request_id, None)
@@ -147,12 +168,29 @@ class Scheduler:
         for r in self.slots.owner.values():
             if r.state is RequestState.FINISHING or (r.checkpoint_waiters and r.last is not None):
                 plan.captures.append(r)
+        self._preempt(plan)
+        now = time.perf_counter()
         while len(self.waiting) and self.slots.n_free:
             r = self.waiting.pop()
-            r.slot = self.slots.allocate(r)
+            grant = self.slots.allocate(r, r.to_prefill if r.resume is None and r.cache_prompt else ())
+            assert grant is not None
+            r.slot = grant.slot
             r.state = RequestState.PREFILL
+            r.held_since = now
+            r.restored = r.restored or r.resume is not None
+            if grant.keep:
+                plan.reuses.append((grant.slot, r.to_prefill[: grant.keep]))
+                r.history = r.to_prefill[: grant.keep]
+                del r.to_prefill[: grant.keep]
+                r.metrics.cached_tokens = grant.keep
+                self.metrics.prefix_hits += 1
+                self.metrics.cached_tokens += grant.keep
+            elif grant.cached:
+                self._to_clear.append(grant.slot)  # evicted for a prompt it shares nothing with
+            if not r.metrics.preemptions:
+                self.metrics.prompt_tokens += r.metrics.prompt_tokens
             plan.admitted.append(r)
-            log.debug("request.admitted", request_id=r.request_id, slot=r.slot)
+            log.debug("request.admitted", request_id=r.request_id, slot=r.slot, cached_tokens=grant.keep)
         self.metrics.queue_depth = len(self.waiting)
         # a stream whose consumer fell behind waits; the other streams go on
         running = [
@@ -176,23 +214,112 @@ class Scheduler:
         plan.settles = sorted(self._settles.items())
         self._settles.clear()
         plan.clears, self._to_clear = self._to_clear, []
+        plan.drops, self._drops = self._drops, []
         return plan
 
+    # --- preemption --------------------------------------------------------------------
+    def _preempt(self, plan: Plan) -> None:
+        """Free slots for waiting requests that outrank running ones: a higher priority, or
+        an equal one once the running request has held its slot ``time_slice`` seconds. The
+        victims (lowest priority, then longest held) are captured at this step's boundary,
+        before the slot is given away, and wait again with their state in host memory."""
+        cfg = self.config
+        need = len(self.waiting) - self.slots.n_free
+        if not cfg.preemption or need <= 0:
+            return
+        now = time.perf_counter()
+        victims = sorted(
+            (
+                r
+                for r in self.slots.owner.values()
+                if r.state is RequestState.DECODE and r.last is not None and not r.checkpoint_waiters
+            ),
+            key=lambda r: (r.priority, r.held_since),
+        )
+        for w in self.waiting.first(need):
+            for r in victims:
+                timed_out = cfg.time_slice is not None and now - r.held_since >= cfg.time_slice
+                if (r.priority < w.priority or (r.priority == w.priority and timed_out)) and self._swap_fits(
+                    r
+                ):
+                    victims.remove(r)
+                    self._swap_out(r, plan)
+                    break
+
+    def _swap_fits(self, r: Request) -> bool:
+        """Whether ``r``'s state fits the swap space (estimated from earlier captures; the
+        first capture is the measure)."""
+        space = self.config.swap_space_mib * 2**20
+        estimate = (self._swap_per_token or 0.0) * (len(r.history) + 1)
+        return space > 0 and self.metrics.swapped_bytes + estimate <= space
+
+    def _swap_out(self, r: Request, plan: Plan) -> None:
+        assert r.slot is not None
+        slot = r.slot
+        r.parked = r.arrival_index  # unique per engine
+        plan.preempted.append((slot, r))
+        # the slot's KV cache holds r.history after the capture: a prefix another may reuse
+        cacheable = r.cache_prompt and not r.restored
+        if self.slots.release(slot, r.history if cacheable else ()):
+            self._to_clear.append(slot)
+        r.slot = None
+        r.state = RequestState.SWAPPING
+        r.metrics.preemptions += 1
+        self.metrics.preemptions += 1
+        log.debug("request.preempted", request_id=r.request_id, slot=slot, held=len(r.history))
+
+    def _swapped_in(self, r: Request, sections: dict[str, bytes]) -> None:
+        """``r``'s captured state: it waits again, to resume from it."""
+        assert r.last is not None
+        r.resume = Resume(
+            sections["target"],
+            sections.get("draft", b""),
+            sections["spec"],
+            list(r.history),
+            r.last,
+            r.n_prompt_history,
+        )
+        r.swap_bytes = sum(len(b) for b in sections.values())
+        self.metrics.swapped_bytes += r.swap_bytes
+        self._swap_per_token = r.swap_bytes / (len(r.history) + 1)
+        r.to_prefill = [r.last]
+        r.state = RequestState.WAITING
+        self.waiting.push(r)
+        self.metrics.queue_depth = len(self.waiting)
+
     def redo_boundary(self, plan: Plan) -> None:
-        """A step failed: the slots it was to clear may still hold their sequences."""
+        """A step failed: the slots it was to clear may still hold their sequences, and what
+        the cached ones hold is not known any more."""
         self._to_clear.extend(s for s in plan.clears if s not in self._to_clear)
+        if self.slots.cache is not None:
+            for slot in self.slots.cache.slots():
+                if self.slots.forget(slot) and slot not in self._to_clear:
+                    self._to_clear.append(slot)
 
     # --- applying a step's result ------------------------------------------------------
     def update(self, plan: Plan, result: Any) -> None:
         """Apply one native step's result: captures, errors, then each request's outputs.
         A fault while applying one request's part fails that request alone."""
         self._count(plan, result)
+        preempted = dict(plan.preempted)
         for cap in result.captures:
+            if (victim := preempted.pop(cap.seq, None)) is not None:
+                if victim.state is RequestState.SWAPPING:  # (not aborted meanwhile)
+                    self._isolated(victim, self._swapped_in, victim, cap.sections)
+                continue
             r = self.slots.owner.get(cap.seq)
             if r is not None:
                 self._isolated(r, self._deliver_checkpoint, r, cap.sections)
+        for victim in preempted.values():  # its capture failed
+            self.fail(victim, SessionError("the preempted request's state could not be captured"))
+        for r in plan.admitted:
+            if r.parked is not None and r.slot is not None:  # swapped in: its state is back
+                self.metrics.swapped_bytes -= r.swap_bytes
+                r.parked, r.swap_bytes, r.resume = None, 0, None
         for err in result.errors:
             r = self.slots.owner.get(err.seq)
+            if r is None and self.slots.forget(err.seq):  # a cached slot whose KV is gone
+                self._to_clear.append(err.seq)
             if r is not None:
                 cls = getattr(session_errors, err.kind, SessionError)
                 self.fail(r, cls(err.message))
@@ -234,7 +361,7 @@ class Scheduler:
             raise SessionError("the step returned no output for a sampling work item")
         if r.state is RequestState.PREFILL:
             r.state = RequestState.DECODE
-            if r.resume is None:
+            if not r.restored:
                 r.n_prompt_history = len(r.history)
         outcome = process_output(r, out, StopRules.of(r.params, self._eog, self.config.n_ctx))
         if outcome.keep < len(out.tokens):

@@ -52,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-VERSION = "tiny-gguf-v3"
+VERSION = "tiny-gguf-v4"
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 VENDOR = REPO_ROOT / "vendor" / "llama.cpp"
@@ -416,6 +416,37 @@ def _write_llama(
     _write_gguf(path, "llama", kv, tensors, voc)
 
 
+# ---- gemma3 (sliding-window attention) ------------------------------------------------
+
+#: the tiny gemma3's window: positions a token attends back over in its SWA layers
+GEMMA_SWA = 8
+
+
+def _write_gemma3(path: pathlib.Path, name: str, voc: Vocab, n_layer: int = 6) -> None:
+    """A random gemma3: 5 of every 6 layers attend over a GEMMA_SWA-token window."""
+    rng = _rng(name)
+    hd = E // H
+    tensors = {
+        "token_embd.weight": _random_embd(rng, voc.n_vocab, E),
+        "output_norm.weight": _ones(E),
+        "output.weight": _random_head(rng, voc, E),
+    }
+    tensors.update(_llama_layers(rng, n_layer))
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        for norm, n in (
+            ("post_attention_norm", E),
+            ("post_ffw_norm", E),
+            ("attn_q_norm", hd),
+            ("attn_k_norm", hd),
+        ):
+            tensors[p + norm + ".weight"] = _ones(n)
+    kv = _base_kv(n_layer)
+    kv["{arch}.vocab_size"] = voc.n_vocab
+    kv["{arch}.attention.sliding_window"] = GEMMA_SWA
+    _write_gguf(path, "gemma3", kv, tensors, voc)
+
+
 # ---- eagle3 -------------------------------------------------------------------------
 
 
@@ -731,6 +762,7 @@ def _builders() -> dict[str, Callable[[pathlib.Path], None]]:
     return {
         # targets and drafts
         "llama": lambda p: _write_llama(p, "llama", L()),
+        "gemma3-swa": lambda p: _write_gemma3(p, "gemma3-swa", L()),
         # softer logits (std 8): at temperature 1 a handful of tokens share the mass
         "llama-soft": lambda p: _write_llama(p, "llama-soft", L(), logit_std=8.0),
         # llama-soft's weights with twice its logits: a draft whose greedy token is the
