@@ -202,8 +202,8 @@ async def main() -> int:
         md += [
             "",
             "**Multi-turn chat**: 8 conversations at once on 8 slots, 6 turns each, every turn sending the "
-            "whole conversation again in the model's chat template (as OpenAI-style clients do) with a new "
-            "user message, 32 tokens per reply. Prompt tokens actually prefilled per request, mean over the "
+            "whole conversation again in the model's chat template (as OpenAI-style clients do): the system "
+            "prompt above, the turns so far and a new user message, 32 tokens per reply. Prompt tokens actually prefilled per request, mean over the "
             "8 conversations (`python -m engine bench --chat --prefix-cache on,off --max-tokens 32 "
             f"--n-ctx {args.n_ctx}`):",
             "",

@@ -458,17 +458,22 @@ class TurnStats:
 
 
 async def run_conversations(
-    config: EngineConfig, conversations: int = 8, turns: int = 6, max_tokens: int = 32
+    config: EngineConfig,
+    conversations: int = 8,
+    turns: int = 6,
+    max_tokens: int = 32,
+    system: str | None = SHARED_SYSTEM,
 ) -> list[TurnStats]:
-    """``conversations`` chats at once; each turn sends the whole conversation again in the
-    model's chat template (as OpenAI-style clients do) with a new user message, greedy."""
+    """``conversations`` chats at once, each with the ``system`` message first; each turn
+    sends the whole conversation again in the model's chat template (as OpenAI-style clients
+    do) with a new user message, greedy."""
     stats: list[TurnStats] = []
     async with Engine(config) as engine:
         await engine.generate(PROMPTS[0], SamplingParams(max_tokens=4))  # warm-up
         stats = [TurnStats(t + 1, engine.prefix_cache) for t in range(turns)]
 
         async def chat(c: int) -> None:
-            messages: list[dict[str, str]] = []
+            messages = [{"role": "system", "content": system}] if system else []
             for t in range(turns):
                 topic = _TOPICS[(c + 3 * t) % len(_TOPICS)]
                 messages.append(
