@@ -1,8 +1,8 @@
 """Prefix reuse and preemption, measured: our engine with its prefix cache on and off and
 llama-server with ``cache_prompt: true`` on a shared-prefix workload, then multi-turn chats
 that resend the whole conversation, then an overload of long and short requests with
-preemption on and off. Writes ``benchmarks/results/prefix_reuse.md`` (which BENCHMARKS.md
-includes) and ``benchmarks/results/prefix_reuse.json``.
+preemption on and off. Writes ``benchmarks/results/prefix_reuse.md`` and ``.json``, and
+puts the section at the end of BENCHMARKS.md (``side_by_side.py`` keeps it there).
 
     python benchmarks/prefix_reuse.py               # everything (about an hour on 2 cores)
     python benchmarks/prefix_reuse.py --streams 8 --repeats 1 --skip-chat --skip-overload
@@ -236,6 +236,12 @@ async def main() -> int:
     Path(args.out).write_text("\n".join(md))
     Path(args.out).with_suffix(".json").write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")
+    if Path(args.out).resolve() == RESULTS / "prefix_reuse.md":  # BENCHMARKS.md ends with it
+        bench = ROOT / "BENCHMARKS.md"
+        text = bench.read_text()
+        head = text.split("\n" + md[0] + "\n", 1)[0].rstrip("\n")
+        bench.write_text(head + "\n\n" + "\n".join(md))
+        print(f"wrote {bench}")
     return 0
 
 

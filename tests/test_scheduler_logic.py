@@ -39,6 +39,19 @@ def test_decode_first_then_prefill_chunks_within_the_budget() -> None:
     assert len(chunk.tokens) == 54 and not chunk.sample and not chunk.begin
 
 
+def test_a_short_prompt_left_is_read_before_long_cold_ones() -> None:
+    """A request whose prompt is mostly cached has a few tokens left: it is read first, not
+    after every long prompt that arrived before it."""
+    running = [
+        make("cold-1", RequestState.PREFILL, prompt=900, n_past=0),
+        make("cold-2", RequestState.PREFILL, prompt=900, n_past=0),
+        make("cached", RequestState.PREFILL, prompt=12, n_past=1000),
+    ]
+    work = plan_step(running, n_batch=64, n_draft_max=4, n_ctx=4096, prefill_reserve=16, speculative=False)
+    assert [(w.request.request_id, len(w.tokens)) for w in work] == [("cached", 12), ("cold-1", 52)]
+    assert work[0].sample and work[0].begin
+
+
 def test_the_final_prompt_chunk_samples_and_begins() -> None:
     work = plan_step(
         [make("c", RequestState.PREFILL, prompt=20, n_past=100)],

@@ -211,14 +211,20 @@ def plan_step(
     """Work for the running requests, within one target batch of ``n_batch`` tokens.
 
     Decoding sequences come first (one verification each: ``[last, drafts...]``), prompt
-    chunks fill what is left, so a long prompt never stalls the streams that are running;
+    chunks fill what is left, shortest remaining prompt first, so a long prompt never stalls
+    the streams that are running nor the prompts that are almost read;
     while prompts wait, ``prefill_reserve`` tokens stay free for them (fewer drafts). The
     policy chooses the draft lengths of all decoding sequences together (all of
     ``n_draft_max`` without one); one sequence probes now and then.
     """
     policy = policy or DraftPolicy(adaptive=False)
     decoding = [r for r in running if r.state is RequestState.DECODE]
-    prefilling = [r for r in running if r.state is RequestState.PREFILL and r.to_prefill]
+    # the shortest prompt left first: a request whose prompt is mostly cached (a few tokens
+    # to read) is not held up behind long cold prompts; ties in arrival order
+    prefilling = sorted(
+        (r for r in running if r.state is RequestState.PREFILL and r.to_prefill),
+        key=lambda r: len(r.to_prefill),
+    )
     reserve = min(prefill_reserve, n_batch // 2) if prefilling else 0
     n_dec = min(len(decoding), n_batch)
     decoding = decoding[:n_dec]

@@ -127,8 +127,8 @@ class Scheduler:
         if r.state is RequestState.WAITING:
             self.waiting.remove(r)
             self.metrics.queue_depth = len(self.waiting)
-        if r.parked is not None and r.slot is None:  # swapped out: its state goes
-            self._drops.append(r.parked)
+        if r.parked is not None:  # preempted: its swapped state and parked sampler go
+            self._drops.append(r.parked)  # (a no-op natively once a restore took it back)
             self.metrics.swapped_bytes -= r.swap_bytes
             r.parked, r.swap_bytes, r.resume = None, 0, None
         if r.slot is not None:  # (a settle decided for it still applies before the clear)
