@@ -181,12 +181,13 @@ async def main() -> int:
         f"`{Path(model).name}`, {args.threads} threads, greedy, no speculation; one process at a time. "
         f"Ratios are medians of {args.repeats} interleaved repeats [min, max].",
         "",
-        f"**Shared prefix**: a {len(prompts[0]) - 20}-odd-token system prompt (`engine.bench.SHARED_SYSTEM`) "
+        "**Shared prefix**: a ~1,000-token system prompt (`engine.bench.SHARED_SYSTEM`) "
         f"and distinct short questions (192 in all, none repeated) ({len(prompts[0])} tokens per prompt with BOS), {args.max_tokens} "
         "tokens out (end-of-generation ignored), N closed-loop clients, 4N requests (at least 8), the "
         "throughput of the steady window. Ours with `EngineConfig(prefix_cache=True)` (the default) and "
         '`False`; llama-server with `"cache_prompt": true` and its default slot choice (the most similar '
-        "slot's prompt), the same `-np N` slots, `--swa-full`, no host prompt cache (`--cache-ram 0`).",
+        "slot's prompt), the same `-np N` slots, `--swa-full`, no host prompt cache (`--cache-ram 0`). "
+        "The cached share counts every request: each client's first request finds nothing cached (N of the 4N).",
         "",
         *table,
     ]
