@@ -12,6 +12,7 @@ import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import anyio
 
@@ -186,12 +187,11 @@ async def _bench(args: argparse.Namespace) -> int:
                 results.append(r)
     print()
     print(summarize(results))
-    report = {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "model": Path(model).name,
-        "machine": machine_info(),
-        "command": "python -m engine " + shlex.join(args.argv),
-        "settings": {
+    _write_report(
+        args,
+        model,
+        out / "bench.json",
+        settings={
             "streams": n_values,
             "speculative": specs,
             "prefix_cache": caches,
@@ -204,8 +204,8 @@ async def _bench(args: argparse.Namespace) -> int:
             "n_draft": args.n_draft,
             "threads": args.threads,
         },
-        "results": [r.as_dict() for r in results],
-        "speedups": [
+        results=[r.as_dict() for r in results],
+        speedups=[
             {
                 "n_streams": n,
                 "speculative": spec,
@@ -215,9 +215,7 @@ async def _bench(args: argparse.Namespace) -> int:
             }
             for n, spec, m, lo, hi in speedups(results)
         ],
-    }
-    (out / "bench.json").write_text(json.dumps(report, indent=2))
-    print(f"\nwrote {out / 'bench.json'}")
+    )
     try:
         plot(
             results,
@@ -246,15 +244,7 @@ async def _bench_chat(args: argparse.Namespace, spec: str, caches: list[bool], m
         )
     print()
     print(summarize_turns(stats))
-    report = {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "model": Path(model).name,
-        "machine": machine_info(),
-        "command": "python -m engine " + shlex.join(args.argv),
-        "turns": [s.as_dict() for s in stats],
-    }
-    (out / "bench-chat.json").write_text(json.dumps(report, indent=2))
-    print(f"\nwrote {out / 'bench-chat.json'}")
+    _write_report(args, model, out / "bench-chat.json", turns=[s.as_dict() for s in stats])
     return 0
 
 
@@ -275,16 +265,21 @@ async def _bench_overload(args: argparse.Namespace, spec: str, model: str, out: 
             )
     print()
     print(summarize_overload(results))
+    _write_report(args, model, out / "bench-overload.json", runs=[r.as_dict() for r in results])
+    return 0
+
+
+def _write_report(args: argparse.Namespace, model: str, path: Path, **fields: Any) -> None:
+    """A bench run's JSON: when, on what, the command, then ``fields``."""
     report = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "model": Path(model).name,
         "machine": machine_info(),
         "command": "python -m engine " + shlex.join(args.argv),
-        "runs": [r.as_dict() for r in results],
+        **fields,
     }
-    (out / "bench-overload.json").write_text(json.dumps(report, indent=2))
-    print(f"\nwrote {out / 'bench-overload.json'}")
-    return 0
+    path.write_text(json.dumps(report, indent=2))
+    print(f"\nwrote {path}")
 
 
 def _parser() -> argparse.ArgumentParser:
