@@ -30,6 +30,7 @@ from engine.bench import (
     TurnStats,
     default_requests,
     machine_info,
+    median_spread,
     percentile,
     run_conversations,
     run_overload,
@@ -42,8 +43,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 
 def _med(values: list[float]) -> tuple[float, float, float]:
-    v = sorted(values)
-    return v[(len(v) - 1) // 2], v[0], v[-1]
+    return median_spread(values) or (float("nan"),) * 3
 
 
 def _mid(runs: list[BenchResult]) -> BenchResult:

@@ -140,8 +140,7 @@ void StepRunner::boundary(State & st) {
     for (int32_t seq : st.plan.clears) clear_slot(seq);
     for (const StepReuse & r : st.plan.reuses) {
         s.check_seq(r.seq);
-        try {
-            if (session_->pending(r.seq)) session_->accept(r.seq, 0);
+        try {  // (settle left nothing pending: keep_prefix refuses a pending proposal)
             unsettled_[r.seq].reset();
             samplers_[r.seq].reset();
             s.keep_prefix(r.seq, r.prefix);

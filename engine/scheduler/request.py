@@ -196,6 +196,11 @@ class Request:
         self.text = TextAssembler(self.params.stop)
 
     @property
+    def cacheable(self) -> bool:
+        """Whether its sequence may stay cached for prefix reuse when it gives up its slot."""
+        return self.cache_prompt and not self.restored
+
+    @property
     def n_past(self) -> int:
         """Tokens of the sequence in the KV cache."""
         return len(self.history)

@@ -134,8 +134,7 @@ class Scheduler:
         if r.slot is not None:  # (a settle decided for it still applies before the clear)
             # its KV cache holds r.history (and perhaps a step's tokens after it): kept for
             # prefix reuse unless it failed or was restored from captured state
-            cacheable = r.cache_prompt and not r.restored and reason != FinishReason.ERROR.value
-            keep = r.history if cacheable else ()
+            keep = r.history if r.cacheable and reason != FinishReason.ERROR.value else ()
             if self.slots.release(r.slot, keep):
                 self._to_clear.append(r.slot)
             r.slot = None
@@ -259,8 +258,7 @@ class Scheduler:
         r.parked = r.arrival_index  # unique per engine
         plan.preempted.append((slot, r))
         # the slot's KV cache holds r.history after the capture: a prefix another may reuse
-        cacheable = r.cache_prompt and not r.restored
-        if self.slots.release(slot, r.history if cacheable else ()):
+        if self.slots.release(slot, r.history if r.cacheable else ()):
             self._to_clear.append(slot)
         r.slot = None
         r.state = RequestState.SWAPPING
