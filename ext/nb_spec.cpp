@@ -607,7 +607,10 @@ NB_MODULE(_nb_spec, m) {
         .def_rw("frequency_penalty", &SamplerParams::frequency_penalty)
         .def_rw("ignore_eos", &SamplerParams::ignore_eos)
         .def_rw("grammar", &SamplerParams::grammar)
-        .def_rw("json_schema", &SamplerParams::json_schema);
+        .def_rw("json_schema", &SamplerParams::json_schema)
+        .def_rw("logit_bias", &SamplerParams::logit_bias)
+        .def_rw("n_logprobs", &SamplerParams::n_logprobs);
+    m.attr("MAX_LOGPROBS") = MAX_LOGPROBS;
     m.def("validate_sampler_params", &validate_sampler_params, "params"_a);
 
     nb::class_<StepPlan>(m, "StepPlan", "What one engine step does; filled by the scheduler.")
@@ -650,7 +653,12 @@ NB_MODULE(_nb_spec, m) {
         .def_ro("drafted", &StepOutput::drafted)
         .def_ro("produced", &StepOutput::produced)
         .def_ro("accepted", &StepOutput::accepted)
-        .def_ro("pos", &StepOutput::pos);
+        .def_ro("pos", &StepOutput::pos)
+        .def_prop_ro("logprobs", [](const StepOutput & o) {  // [(logprob, [(token, logprob)...])]
+            nb::list out;
+            for (const TokenLogprobs & lp : o.logprobs) out.append(nb::make_tuple(lp.logprob, nb::cast(lp.top)));
+            return out;
+        });
     nb::class_<StepCapture>(m, "StepCapture")
         .def_ro("seq", &StepCapture::seq)
         .def_prop_ro("sections", [](const StepCapture & c) { return state_sections(c.state); });

@@ -23,13 +23,51 @@ void validate_sampler_params(const SamplerParams & sp) {
     if (!std::isfinite(sp.presence_penalty)) bad("presence_penalty must be finite");
     if (!std::isfinite(sp.frequency_penalty)) bad("frequency_penalty must be finite");
     if (!sp.grammar.empty() && !sp.json_schema.empty()) bad("give a grammar or a json_schema, not both");
+    if (sp.n_logprobs < -1 || sp.n_logprobs > MAX_LOGPROBS) {
+        bad("logprobs must be in [0, " + std::to_string(MAX_LOGPROBS) + "], got " + std::to_string(sp.n_logprobs));
+    }
+    for (const auto & [token, bias] : sp.logit_bias) {
+        if (token < 0) bad("logit_bias token ids must be >= 0, got " + std::to_string(token));
+        if (std::isnan(bias) || bias == std::numeric_limits<float>::infinity()) {
+            bad("logit_bias values must be finite or -inf, got " + number(bias));
+        }
+    }
+}
+
+TokenLogprobs token_logprobs(const float * logits, int32_t n_vocab, llama_token token, int32_t k) {
+    float max = -std::numeric_limits<float>::infinity();
+    for (int32_t t = 0; t < n_vocab; ++t) max = std::max(max, logits[t]);
+    double sum = 0.0;
+    for (int32_t t = 0; t < n_vocab; ++t) sum += std::exp(static_cast<double>(logits[t] - max));
+    const float lse = max + static_cast<float>(std::log(sum));
+    TokenLogprobs out;
+    out.logprob = logits[token] - lse;
+    if (k <= 0) return out;
+    // the k largest logits: a min-heap of k (token, logit), one pass over the vocabulary
+    auto greater = [](const std::pair<int32_t, float> & a, const std::pair<int32_t, float> & b) {
+        return a.second > b.second || (a.second == b.second && a.first < b.first);
+    };
+    std::vector<std::pair<int32_t, float>> & top = out.top;
+    top.reserve(k + 1);
+    for (int32_t t = 0; t < n_vocab; ++t) {
+        if (static_cast<int32_t>(top.size()) == k && !greater({t, logits[t]}, top.front())) continue;
+        top.emplace_back(t, logits[t]);
+        std::push_heap(top.begin(), top.end(), greater);
+        if (static_cast<int32_t>(top.size()) > k) {
+            std::pop_heap(top.begin(), top.end(), greater);
+            top.pop_back();
+        }
+    }
+    std::sort(top.begin(), top.end(), greater);
+    for (auto & entry : top) entry.second -= lse;
+    return out;
 }
 
 namespace {
 
 bool is_plain_greedy(const SamplerParams & p) {
     return p.temperature <= 0.0f && p.repetition_penalty == 1.0f && p.presence_penalty == 0.0f &&
-           p.frequency_penalty == 0.0f && p.grammar.empty() && p.json_schema.empty();
+           p.frequency_penalty == 0.0f && p.grammar.empty() && p.json_schema.empty() && p.logit_bias.empty();
 }
 
 common_sampler_ptr make_chain(const Model & model, const SamplerParams & sp) {
@@ -49,6 +87,13 @@ common_sampler_ptr make_chain(const Model & model, const SamplerParams & sp) {
         for (int32_t t : model.info().eog_tokens) {
             p.logit_bias.push_back({t, -std::numeric_limits<float>::infinity()});
         }
+    }
+    for (const auto & [token, bias] : sp.logit_bias) {
+        if (token >= model.info().n_vocab) {
+            bad("logit_bias token id " + std::to_string(token) + " outside [0, " +
+                std::to_string(model.info().n_vocab) + ")");
+        }
+        p.logit_bias.push_back({token, bias});
     }
     std::string grammar = sp.grammar;
     if (!sp.json_schema.empty()) {
@@ -77,7 +122,8 @@ SequenceSampler::SequenceSampler(const Model & model, const SamplerParams & para
     : n_vocab_(model.info().n_vocab),
       eog_(model.info().eog_tokens),
       plain_greedy_(is_plain_greedy(params)),
-      ignore_eos_(params.ignore_eos) {
+      ignore_eos_(params.ignore_eos),
+      n_logprobs_(params.n_logprobs) {
     validate_sampler_params(params);
     chain_ = make_chain(model, params);
     std::sort(eog_.begin(), eog_.end());

@@ -8,6 +8,7 @@
 #include "sampling.h"
 
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace engine {
@@ -25,7 +26,22 @@ struct SamplerParams {
     bool ignore_eos = false;
     std::string grammar;      // GBNF
     std::string json_schema;  // converted to GBNF by llama.cpp's common library
+    std::vector<std::pair<int32_t, float>> logit_bias;  // added to a token's logit (-inf bans it)
+    int32_t n_logprobs = -1;  // -1: none; k >= 0: each emitted token's logprob and the top k
 };
+
+// The most log-probabilities a request may ask for per token (OpenAI's top_logprobs bound).
+constexpr int32_t MAX_LOGPROBS = 20;
+
+// One emitted token's log-probability under the target's distribution (the log-softmax of
+// the raw logits at its position, before any sampling transform), and the k most likely.
+struct TokenLogprobs {
+    float logprob = 0.0f;
+    std::vector<std::pair<int32_t, float>> top;  // most likely first
+};
+
+// TokenLogprobs of `token` in the `n_vocab` logits; O(n_vocab) with a k-entry selection.
+TokenLogprobs token_logprobs(const float * logits, int32_t n_vocab, llama_token token, int32_t k);
 
 // InvalidConfig naming the first bad value. Grammars are checked when the sampler is built.
 void validate_sampler_params(const SamplerParams & params);
@@ -47,6 +63,8 @@ public:
     std::vector<llama_token> verify(llama_context * ctx, const std::vector<int> & rows,
                                     const std::vector<llama_token> & draft);
 
+    int32_t n_logprobs() const { return n_logprobs_; }
+
 private:
     llama_token argmax(const float * logits) const;
 
@@ -55,6 +73,7 @@ private:
     std::vector<llama_token> eog_;  // end-of-generation tokens, excluded under ignore_eos
     bool plain_greedy_ = false;
     bool ignore_eos_ = false;
+    int32_t n_logprobs_ = -1;
 };
 
 }  // namespace engine

@@ -386,7 +386,15 @@ bool StepRunner::decode_and_verify(State & st, const std::vector<const StepWork 
         for (size_t i = 0; i < verify_rows.size(); ++i) verify_rows[i] = first_row[k] + n_tok - 1 + static_cast<int>(i);
         StepOutput out;
         out.seq = w.seq;
-        out.tokens = samplers_[w.seq]->verify(target.get(), verify_rows, d);
+        SequenceSampler & sampler = *samplers_[w.seq];
+        out.tokens = sampler.verify(target.get(), verify_rows, d);
+        if (sampler.n_logprobs() >= 0) {  // the verification's own logits: nothing is decoded again
+            const int32_t n_vocab = model.info().n_vocab;
+            for (size_t i = 0; i < out.tokens.size(); ++i) {
+                out.logprobs.push_back(token_logprobs(llama_get_logits_ith(target.get(), verify_rows[i]), n_vocab,
+                                                       out.tokens[i], sampler.n_logprobs()));
+            }
+        }
         for (int32_t t : out.tokens) out.pieces.push_back(model.token_to_piece(t, false));
         out.drafted = static_cast<int32_t>(d.size());
         out.produced = st.produced[w.seq];

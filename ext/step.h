@@ -89,6 +89,7 @@ struct StepOutput {
     int32_t produced = 0;             // drafts the drafter produced (before any trim)
     int32_t accepted = 0;             // drafts verification accepted (tokens.size() - 1)
     int32_t pos = 0;                  // position of the first token of `tokens`
+    std::vector<TokenLogprobs> logprobs;  // per token, when its request asked for them
 };
 
 struct StepCapture {

@@ -37,6 +37,7 @@ class Seq:
 class Verified:
     tokens: list[int]
     pieces: list[bytes]
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
 
 
 def verified(*tokens: int) -> Verified:

@@ -33,6 +33,7 @@ __all__ = [
     "OutputState",
     "StopRules",
     "TextAssembler",
+    "TokenLogprob",
     "Verified",
     "process_output",
 ]
@@ -45,6 +46,18 @@ class FinishReason(enum.StrEnum):
     ERROR = "error"  #: the request failed (the error is raised to its caller)
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One emitted token's log-probability under the target model's distribution at its
+    position (log-softmax of the raw logits, before temperature, penalties, grammar or
+    logit bias), and the ``top`` most likely tokens there as ``(token_id, logprob)``, most
+    likely first. With speculation they come from the verification's own logits."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 class Verified(Protocol):
     """What the native step returns per sampling sequence (``_nb_spec.StepOutput``)."""
 
@@ -52,6 +65,10 @@ class Verified(Protocol):
     def tokens(self) -> Sequence[int]: ...
     @property
     def pieces(self) -> Sequence[bytes]: ...
+    @property
+    def logprobs(self) -> Sequence[tuple[float, Sequence[tuple[int, float]]]]:
+        """Per token, when the request asked for them (else empty)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -81,6 +98,7 @@ class Outcome:
     token_ids: list[int]  #: handed to the caller now
     text: str  #: handed to the caller now (whole characters)
     finish_reason: str | None  #: set when generation ended
+    logprobs: list[TokenLogprob] | None = None  #: per token of ``token_ids``, when asked for
 
 
 class OutputState(Protocol):
@@ -153,14 +171,19 @@ def process_output(request: OutputState, out: Verified, rules: StopRules) -> Out
     """
     tokens = list(out.tokens)
     pieces = list(out.pieces)
+    logprobs = list(out.logprobs)
     keep, reason = len(tokens), None
     emitted: list[int] = []
+    emitted_logprobs: list[TokenLogprob] | None = [] if logprobs else None
     for i, (token, piece) in enumerate(zip(tokens, pieces, strict=True)):
         if token in rules.eog or token in rules.stop_token_ids:
             keep, reason = i + 1, FinishReason.STOP.value  # kept, not handed out
             break
         request.output_ids.append(token)
         emitted.append(token)
+        if emitted_logprobs is not None:
+            logprob, top = logprobs[i]
+            emitted_logprobs.append(TokenLogprob(token, logprob, tuple(top)))
         request.text.feed(piece)
         if request.text.stopped:
             keep, reason = i + 1, FinishReason.STOP.value
@@ -172,4 +195,4 @@ def process_output(request: OutputState, out: Verified, rules: StopRules) -> Out
     request.last = tokens[keep - 1]  # sampled, not in the KV cache yet
     if reason is None and len(request.history) >= rules.n_ctx - 1:
         reason = FinishReason.LENGTH.value  # the sequence's context is full
-    return Outcome(keep, emitted, request.text.take(final=reason is not None), reason)
+    return Outcome(keep, emitted, request.text.take(final=reason is not None), reason, emitted_logprobs)

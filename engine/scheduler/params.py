@@ -42,6 +42,11 @@ class SamplingParams:
     ignore_eos: bool = False
     grammar: str | None = None
     json_schema: str | dict[str, object] | None = None
+    #: added to a token's logit before sampling; ``-inf`` (or -100, as OpenAI's) bans it
+    logit_bias: dict[int, float] | None = None
+    #: ``k`` in [0, 20]: each emitted token's log-probability and the k most likely tokens
+    #: (``RequestOutput.logprobs``, ``Delta.logprobs``); None: none (and no cost)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         _check(
@@ -79,6 +84,19 @@ class SamplingParams:
             self.grammar is None or (isinstance(self.grammar, str) and self.grammar.strip() != ""),
             "grammar must be a non-empty GBNF string",
         )
+        _check(
+            self.logprobs is None or (isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)),
+            f"logprobs must be an int in [0, {_nb_spec.MAX_LOGPROBS}] or None, got {self.logprobs!r}",
+        )
+        bias = self.logit_bias or {}
+        _check(
+            isinstance(bias, dict)
+            and all(
+                isinstance(t, int) and not isinstance(t, bool) and isinstance(v, int | float)
+                for t, v in bias.items()
+            ),
+            "logit_bias must map token ids (int) to numbers",
+        )
         # the sampler's value rules live once, natively (InvalidConfigError naming the value)
         _nb_spec.validate_sampler_params(self.native(0))
 
@@ -99,6 +117,8 @@ class SamplingParams:
         p.grammar = self.grammar or ""
         schema = self.json_schema
         p.json_schema = "" if schema is None else schema if isinstance(schema, str) else json.dumps(schema)
+        p.logit_bias = [(t, float(v)) for t, v in (self.logit_bias or {}).items()]
+        p.n_logprobs = -1 if self.logprobs is None else self.logprobs
         return p
 
 

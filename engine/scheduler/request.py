@@ -11,7 +11,7 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from .errors import UnknownRequestError
-from .output import FinishReason, TextAssembler
+from .output import FinishReason, TextAssembler, TokenLogprob
 from .params import SamplingParams
 from .policy import DraftStats
 
@@ -101,6 +101,8 @@ class RequestOutput:
     finish_reason: str
     metrics: RequestMetrics
     checkpoint: bytes | None = None
+    #: per token of ``token_ids`` when ``SamplingParams.logprobs`` asked for them
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -112,6 +114,8 @@ class Delta:
     finish_reason: str | None = None
     #: on the last delta only: the whole result (text, metrics, final checkpoint)
     output: RequestOutput | None = None
+    #: per token of ``token_ids`` when ``SamplingParams.logprobs`` asked for them
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -178,6 +182,7 @@ class Request:
     last: int | None = None
     # what the caller receives
     output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] | None = None  #: when its params ask for logprobs
     text: TextAssembler = field(init=False)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     #: its drafts by position, recent verifications weighing more (the draft policy reads it)
@@ -194,6 +199,8 @@ class Request:
 
     def __post_init__(self) -> None:
         self.text = TextAssembler(self.params.stop)
+        if self.params.logprobs is not None:
+            self.output_logprobs = []
 
     @property
     def cacheable(self) -> bool:
@@ -245,6 +252,7 @@ class Request:
             self.finish_reason or FinishReason.ABORT.value,
             self.metrics,
             self.final_checkpoint,
+            None if self.output_logprobs is None else list(self.output_logprobs),
         )
 
     def finish(self, reason: str, error: BaseException | None = None) -> None:
@@ -266,6 +274,6 @@ class Request:
         text = tail.text + self.text.take(final=True)
         if self.send is not None:
             if error is None:
-                self.push(Delta(text, tail.token_ids, reason, self.output()))
+                self.push(Delta(text, tail.token_ids, reason, self.output(), tail.logprobs))
             self.send.close()
         self.done.set()

@@ -386,7 +386,9 @@ class Scheduler:
             m.accepted_per_position.extend([0] * (kept_drafts - len(m.accepted_per_position)))
         for i in range(kept_drafts):
             m.accepted_per_position[i] += 1
-        delta = Delta(outcome.text, outcome.token_ids, outcome.finish_reason)
+        if outcome.logprobs is not None and r.output_logprobs is not None:
+            r.output_logprobs.extend(outcome.logprobs)
+        delta = Delta(outcome.text, outcome.token_ids, outcome.finish_reason, logprobs=outcome.logprobs)
         if outcome.finish_reason is None:
             r.push(delta)
         elif r.want_checkpoint and outcome.finish_reason != FinishReason.ERROR.value:
