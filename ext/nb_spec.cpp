@@ -654,9 +654,15 @@ NB_MODULE(_nb_spec, m) {
         .def_ro("produced", &StepOutput::produced)
         .def_ro("accepted", &StepOutput::accepted)
         .def_ro("pos", &StepOutput::pos)
-        .def_prop_ro("logprobs", [](const StepOutput & o) {  // [(logprob, [(token, logprob)...])]
+        .def_prop_ro("logprobs", [](const StepOutput & o) {  // [(logprob, [(token, logprob, bytes)...])]
             nb::list out;
-            for (const TokenLogprobs & lp : o.logprobs) out.append(nb::make_tuple(lp.logprob, nb::cast(lp.top)));
+            for (const TokenLogprobs & lp : o.logprobs) {
+                nb::list top;
+                for (size_t i = 0; i < lp.top.size(); ++i) {
+                    top.append(nb::make_tuple(lp.top[i].first, lp.top[i].second, to_bytes(lp.top_pieces[i])));
+                }
+                out.append(nb::make_tuple(lp.logprob, top));
+            }
             return out;
         });
     nb::class_<StepCapture>(m, "StepCapture")

@@ -38,6 +38,7 @@ constexpr int32_t MAX_LOGPROBS = 20;
 struct TokenLogprobs {
     float logprob = 0.0f;
     std::vector<std::pair<int32_t, float>> top;  // most likely first
+    std::vector<std::string> top_pieces;         // their bytes (filled by the step)
 };
 
 // TokenLogprobs of `token` in the `n_vocab` logits; O(n_vocab) with a k-entry selection.

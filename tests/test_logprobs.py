@@ -34,18 +34,22 @@ def reference_logprobs(model: Model, prompt: list[int], output: list[int]) -> np
     return shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
 
 
-def assert_logprobs_match(entries: list[TokenLogprob], output: list[int], ref: np.ndarray) -> None:
+def assert_logprobs_match(
+    model: Model, entries: list[TokenLogprob], output: list[int], ref: np.ndarray
+) -> None:
     assert [e.token_id for e in entries] == output
     for i, e in enumerate(entries):
         row = ref[i]
         assert e.logprob == pytest.approx(row[e.token_id], abs=2e-3), i
         assert len(e.top) == TOP
-        values = [lp for _, lp in e.top]
+        values = [c.logprob for c in e.top]
         assert values == sorted(values, reverse=True)
         # the top k are the k largest (ties may order differently)
         assert values == pytest.approx(sorted(row, reverse=True)[:TOP], abs=2e-3), i
-        for token, lp in e.top:
+        for token, lp, piece in e.top:
             assert lp == pytest.approx(row[token], abs=2e-3), (i, token)
+            assert piece == model.token_to_piece(token)
+        assert e.piece == model.token_to_piece(e.token_id)
 
 
 # drafts always right, sometimes right, mostly wrong, and none
@@ -86,10 +90,10 @@ async def test_logprobs_equal_a_plain_decodes_log_softmax(
     tm = models(target, mtp=spec == "mtp")
     for (prompt, _), out in zip(requests, outs, strict=True):
         assert out.logprobs is not None
-        assert_logprobs_match(out.logprobs, out.token_ids, reference_logprobs(tm, prompt, out.token_ids))
+        assert_logprobs_match(tm, out.logprobs, out.token_ids, reference_logprobs(tm, prompt, out.token_ids))
     assert plain.logprobs is None  # not asked for: not computed
     ids = [e.token_id for e in streamed]
-    assert_logprobs_match(streamed, ids, reference_logprobs(tm, requests[1][0], ids))
+    assert_logprobs_match(tm, streamed, ids, reference_logprobs(tm, requests[1][0], ids))
 
 
 async def test_sampled_tokens_logprobs_and_logit_bias(

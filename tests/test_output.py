@@ -37,7 +37,7 @@ class Seq:
 class Verified:
     tokens: list[int]
     pieces: list[bytes]
-    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    logprobs: list[tuple[float, list[tuple[int, float, bytes]]]] = field(default_factory=list)
 
 
 def verified(*tokens: int) -> Verified:

@@ -23,11 +23,12 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from .params import SamplingParams
 
 __all__ = [
+    "Candidate",
     "FinishReason",
     "Outcome",
     "OutputState",
@@ -46,16 +47,25 @@ class FinishReason(enum.StrEnum):
     ERROR = "error"  #: the request failed (the error is raised to its caller)
 
 
+class Candidate(NamedTuple):
+    """A token the model considered at a position."""
+
+    token_id: int
+    logprob: float
+    piece: bytes  #: its bytes (may be part of a multi-byte character)
+
+
 @dataclass(frozen=True)
 class TokenLogprob:
     """One emitted token's log-probability under the target model's distribution at its
     position (log-softmax of the raw logits, before temperature, penalties, grammar or
-    logit bias), and the ``top`` most likely tokens there as ``(token_id, logprob)``, most
-    likely first. With speculation they come from the verification's own logits."""
+    logit bias), and the ``top`` most likely tokens there, most likely first. With
+    speculation they come from the verification's own logits."""
 
     token_id: int
+    piece: bytes
     logprob: float
-    top: tuple[tuple[int, float], ...] = ()
+    top: tuple[Candidate, ...] = ()
 
 
 class Verified(Protocol):
@@ -66,7 +76,7 @@ class Verified(Protocol):
     @property
     def pieces(self) -> Sequence[bytes]: ...
     @property
-    def logprobs(self) -> Sequence[tuple[float, Sequence[tuple[int, float]]]]:
+    def logprobs(self) -> Sequence[tuple[float, Sequence[tuple[int, float, bytes]]]]:
         """Per token, when the request asked for them (else empty)."""
         ...
 
@@ -183,7 +193,7 @@ def process_output(request: OutputState, out: Verified, rules: StopRules) -> Out
         emitted.append(token)
         if emitted_logprobs is not None:
             logprob, top = logprobs[i]
-            emitted_logprobs.append(TokenLogprob(token, logprob, tuple(top)))
+            emitted_logprobs.append(TokenLogprob(token, piece, logprob, tuple(Candidate(*c) for c in top)))
         request.text.feed(piece)
         if request.text.stopped:
             keep, reason = i + 1, FinishReason.STOP.value
