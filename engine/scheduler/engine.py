@@ -153,6 +153,19 @@ class Engine:
         log.info("engine.closed", steps=self.metrics.steps)
 
     @property
+    def serving(self) -> bool:
+        """Started, not closed, and able to serve."""
+        return self._scheduler is not None and not self._closed and self._dead is None
+
+    def abort_all(self) -> int:
+        """Abort every running and waiting request (finish reason ``abort``), e.g. when a
+        server's shutdown grace period ends; returns how many."""
+        requests = [r for r in self._scheduler.requests.values() if not r.finished] if self._scheduler else []
+        for r in requests:
+            self._abort(r)
+        return len(requests)
+
+    @property
     def model(self) -> Model:
         if self._model is None:
             raise ClosedError("the engine is not started")

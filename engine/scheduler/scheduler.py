@@ -10,7 +10,7 @@ output path, captures, per-sequence errors). A request ends in one place,
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +23,7 @@ from .output import FinishReason, StopRules, process_output
 from .params import EngineConfig
 from .planner import Plan, SlotTable, WaitQueue, WorkItem, plan_step
 from .policy import DraftPolicy
-from .request import Delta, Request, RequestState, Resume
+from .request import Delta, Request, RequestMetrics, RequestState, Resume
 
 __all__ = ["EngineMetrics", "Scheduler"]
 
@@ -44,6 +44,7 @@ class EngineMetrics:
     draft_failures: int = 0  #: steps whose draft call failed (they verified no drafts)
     step_faults: int = 0  #: steps whose planning, native call or output handling raised
     occupancy_sum: float = 0.0  #: sum over steps of active sequences / n_seq
+    step_seconds: float = 0.0  #: sum over steps of the native step's time
     generated_tokens: int = 0
     drafted: int = 0
     accepted: int = 0  #: drafts kept (accepted by verification and before any stop)
@@ -56,7 +57,22 @@ class EngineMetrics:
     preemptions: int = 0  #: running requests swapped out for waiting ones
     swapped_bytes: int = 0  #: host memory held by swapped-out requests' state now
     queue_depth: int = 0
+    finish_reasons: dict[str, int] = field(default_factory=dict)  #: requests ended, by reason
     started: float = field(default_factory=time.perf_counter)
+    #: called with each request's metrics when it ends (e.g. a server's latency histograms);
+    #: a listener that raises is logged and removed
+    listeners: list[Callable[[RequestMetrics], None]] = field(default_factory=list, repr=False)
+
+    def request_ended(self, metrics: RequestMetrics) -> None:
+        self.requests_finished += 1
+        reason = metrics.finish_reason or "abort"
+        self.finish_reasons[reason] = self.finish_reasons.get(reason, 0) + 1
+        for listener in list(self.listeners):
+            try:
+                listener(metrics)
+            except Exception as exc:  # noqa: BLE001 - a metrics sink must not fail a request
+                log.error("metrics.listener_failed", error=repr(exc))
+                self.listeners.remove(listener)
 
     @property
     def batch_occupancy(self) -> float:
@@ -140,7 +156,7 @@ class Scheduler:
             r.slot = None
         r.finish(reason, error)
         self.requests.pop(r.request_id, None)
-        self.metrics.requests_finished += 1
+        self.metrics.request_ended(r.metrics)
         log.info("request.finished", request_id=r.request_id, **r.metrics.as_dict())
 
     def fail(self, r: Request, exc: BaseException) -> None:
@@ -427,6 +443,7 @@ class Scheduler:
                 result.t_draft_us / 1e6,
             )
         m.batch_tokens += result.n_batch_tokens
+        m.step_seconds += result.t_total_us / 1e6
         if result.draft_error:
             m.draft_failures += 1
             log.warning("engine.draft_failed", error=result.draft_error)
