@@ -217,16 +217,22 @@ class _Call:
                 cache_prompt=self.body.cache_prompt,
             )
 
-        async with anyio.create_task_group() as tg:
-            for index, prompt in self._choices():
-                tg.start_soon(one, index, prompt)
-        choices = [self._choice(index, results[index]) for index in sorted(results)]
+        choices = self._choices()
+        if len(choices) == 1:
+            await one(*choices[0])
+        else:
+            try:
+                async with anyio.create_task_group() as tg:  # (the first failure cancels the rest)
+                    for index, prompt in choices:
+                        tg.start_soon(one, index, prompt)
+            except BaseExceptionGroup as group:
+                raise group.exceptions[0] from None
         return {
             "id": self.id,
             "object": self.object,
             "created": self.created,
             "model": self.server.model_name,
-            "choices": choices,
+            "choices": [self._choice(index, results[index]) for index in sorted(results)],
             "usage": self._usage({i: r.metrics for i, r in results.items()}),
         }
 
@@ -355,7 +361,6 @@ class _Merged:
 
     def __init__(self, streams: list[tuple[int, Any]]) -> None:
         self.streams = streams
-        self.send, self.receive = anyio.create_memory_object_stream[tuple[int, Delta] | BaseException](1)
         self.tg: Any = None
         self.live = len(streams)
 
@@ -367,6 +372,7 @@ class _Merged:
             index, stream = self.streams[0]
             return index, await stream.__anext__()
         if self.tg is None:
+            self.send, self.receive = anyio.create_memory_object_stream[tuple[int, Delta] | BaseException](1)
             self.tg = anyio.create_task_group()
             await self.tg.__aenter__()
             for index, stream in self.streams:
@@ -399,6 +405,8 @@ class _Merged:
             tg, self.tg = self.tg, None
             tg.cancel_scope.cancel()
             await tg.__aexit__(None, None, None)
+            self.send.close()
+            self.receive.close()
 
 
 def _merge(streams: list[tuple[int, Any]]) -> _Merged:
@@ -441,6 +449,8 @@ def _engine_error(exc: BaseException, prompt_param: str, limits: ServerLimits) -
         return error(400, str(exc), code="invalid_value")
     if isinstance(exc, ClosedError):
         return error(503, "the engine is not serving", "service_unavailable", code="unavailable")
+    if isinstance(exc, RequestError) and isinstance(exc.__cause__, InvalidConfigError | InvalidArgumentError):
+        return error(400, str(exc.__cause__), code="invalid_value")  # e.g. a schema the grammar rejects
     if isinstance(exc, RequestError):
         log.warning("server.request_failed", error=repr(exc))
         return error(500, str(exc), "server_error")

@@ -1,0 +1,395 @@
+"""The OpenAI-compatible server: the real app under uvicorn on a free port, the real engine
+and tiny models, driven by the official ``openai`` client and raw HTTP."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine import Engine, EngineConfig, SamplingParams
+from engine.server import ServerLimits, create_app
+from tests.aio import gather
+from tests.test_engine import config, mixed_requests, wait_until
+
+pytestmark = pytest.mark.timeout(300)
+
+MODEL = "tiny"
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"  # uvicorn runs on asyncio
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    cfg: EngineConfig, api_key: str | None = None, limits: ServerLimits | None = None
+) -> AsyncIterator[tuple[str, Engine]]:
+    """The engine and its app under uvicorn on a free port: (base URL, engine)."""
+    async with Engine(cfg) as engine:
+        app = create_app(engine, model_name=MODEL, api_key=api_key, limits=limits)
+        server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, lifespan="off", access_log=False)
+        )
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(server.serve)
+            with anyio.fail_after(10):
+                while not server.started:
+                    await anyio.sleep(0.01)
+            port = server.servers[0].sockets[0].getsockname()[1]
+            try:
+                yield f"http://127.0.0.1:{port}", engine
+            finally:
+                server.should_exit = True
+
+
+def client(base: str, key: str = "unused") -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0)
+
+
+async def test_the_openai_client_gets_what_the_engine_generates(model_paths: dict[str, Path]) -> None:
+    prompt = [1000 + 7 * i for i in range(20)]
+    cfg = config(model_paths, "walk-llama", "walk-llama", "draft", 4, draft_policy="fixed")
+    async with serving(cfg) as (base, engine), client(base) as api:
+        expected = await engine.generate(prompt, SamplingParams(max_tokens=12, logprobs=3))
+        assert expected.logprobs is not None
+        # completions, whole and streamed (with usage), token ids as the prompt
+        whole = await api.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=12, temperature=0, logprobs=3
+        )
+        assert whole.choices[0].text == expected.text and whole.choices[0].finish_reason == "length"
+        assert whole.usage is not None and whole.usage.completion_tokens == 12
+        assert whole.usage.prompt_tokens == len(prompt)
+        lp = whole.choices[0].logprobs
+        assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+        assert lp.token_logprobs == pytest.approx([e.logprob for e in expected.logprobs], abs=1e-4)
+        assert all(len(top) == 3 for top in lp.top_logprobs)
+        assert "".join(lp.tokens or []) == expected.text
+        chunks = [
+            c
+            async for c in await api.completions.create(
+                model=MODEL,
+                prompt=prompt,
+                max_tokens=12,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        ]
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+        usage = chunks[-1].usage
+        assert usage is not None and not chunks[-1].choices
+        assert usage.completion_tokens == 12 and usage.prompt_tokens_details is not None
+        assert usage.prompt_tokens_details.cached_tokens > 0  # the same prompt again: its prefix was cached
+        assert usage.model_extra and usage.model_extra["speculative"]["drafted_tokens"] > 0
+        # chat: the model's template, whole and streamed, with logprobs
+        messages: Any = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}]
+        reference = await engine.generate(
+            [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}],
+            SamplingParams(max_tokens=10),
+        )
+        chat = await api.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_completion_tokens=10,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=2,
+        )
+        msg = chat.choices[0]
+        assert msg.message.role == "assistant" and msg.message.content == reference.text
+        assert msg.logprobs is not None and msg.logprobs.content is not None
+        assert len(msg.logprobs.content) == chat.usage.completion_tokens == 10  # type: ignore[union-attr]
+        assert all(len(t.top_logprobs) == 2 for t in msg.logprobs.content)
+        assert "".join(t.token for t in msg.logprobs.content) == reference.text
+        stream = await api.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=10, temperature=0, stream=True
+        )
+        deltas = [c async for c in stream]
+        assert deltas[0].choices[0].delta.role == "assistant"
+        assert "".join(c.choices[0].delta.content or "" for c in deltas) == reference.text
+        assert deltas[-1].choices[0].finish_reason == "length"
+        # stop strings: cut before the stop, finish reason stop
+        stop = expected.text[5:9]
+        cut = await api.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=[stop]
+        )
+        assert cut.choices[0].text == expected.text[: expected.text.index(stop)]
+        assert cut.choices[0].finish_reason == "stop"
+        # seeds: the same seed samples the same text; n choices are independent requests
+        hot: dict[str, Any] = {"model": MODEL, "prompt": "abc", "max_tokens": 12, "temperature": 1.5}
+        a = await api.completions.create(**hot, seed=11)
+        b = await api.completions.create(**hot, seed=11)
+        assert a.choices[0].text == b.choices[0].text
+        many = await api.completions.create(**hot, seed=11, n=3)
+        assert sorted(c.index for c in many.choices) == [0, 1, 2]
+        assert many.choices[0].text == a.choices[0].text  # choice i samples with seed + i
+        assert many.usage is not None and many.usage.completion_tokens == 36
+        # response_format: a JSON schema the output follows
+        schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+        shaped = await api.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=64,
+            response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
+        )
+        assert isinstance(json.loads(shaped.choices[0].message.content or "")["ok"], bool)
+        models = await api.models.list()
+        assert [m.id for m in models.data] == [MODEL]
+
+
+async def test_32_concurrent_http_streams_equal_the_same_requests_in_process(
+    model_paths: dict[str, Path],
+) -> None:
+    requests = mixed_requests(32, seed=5)
+    cfg = config(model_paths, "walk-llama", None, "ngram-simple", 8, spec_extra={"ngram_size_n": 2})
+    async with serving(cfg) as (base, engine), client(base) as api:
+
+        async def over_http(prompt: list[int], n: int) -> tuple[str, int]:
+            text, tokens = "", 0
+            stream = await api.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=n, temperature=0, stream=True, logprobs=0
+            )
+            async for chunk in stream:
+                for c in chunk.choices:
+                    text += c.text
+                    tokens += len(c.logprobs.tokens or []) if c.logprobs else 0
+            return text, tokens
+
+        http = await gather(*(over_http(p, n) for p, n in requests))
+        local = await gather(*(engine.generate(p, SamplingParams(max_tokens=n)) for p, n in requests))
+        for (text, tokens), out, (_, n) in zip(http, local, requests, strict=True):
+            assert text == out.text and tokens == n == len(out.token_ids)
+        assert engine.metrics.max_decode_calls_per_step == 1
+
+
+async def test_the_api_key_guards_every_endpoint_but_health(model_paths: dict[str, Path]) -> None:
+    async with serving(config(model_paths, "walk-llama", n_seq=1), api_key="s3cret") as (base, _):
+        async with httpx.AsyncClient(base_url=base) as http:
+            body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+                for method, path in (("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions")):
+                    r = await http.request(method, path, headers=headers, json=body)
+                    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (
+                        path,
+                        headers,
+                    )
+            assert (await http.get("/health")).status_code == 200
+        async with client(base, "s3cret") as api:
+            ok = await api.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+        assert ok.usage is not None and ok.usage.completion_tokens == 2
+        async with client(base, "nope") as api:
+            with pytest.raises(openai.AuthenticationError):
+                await api.models.list()
+
+
+async def test_a_disconnect_frees_the_slot_and_a_full_queue_answers_429(model_paths: dict[str, Path]) -> None:
+    cfg = config(model_paths, "walk-llama", n_seq=1, max_queue=1, n_ctx=2048, n_batch=256)
+    async with serving(cfg) as (base, engine):
+        body = {"model": MODEL, "prompt": "once", "max_tokens": 1500, "stream": True, "ignore_eos": True}
+        async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+            async with http.stream("POST", "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                lines = r.aiter_lines()
+                got = [await lines.__anext__() for _ in range(4)]
+                assert any(line.startswith("data: {") for line in got)
+                assert engine.slots_in_use() == 1
+            # the client went away mid-stream: its request is aborted, its slot freed
+            await wait_until(
+                lambda: engine.slots_in_use() == 0 and not engine._scheduler.requests, timeout=10
+            )  # type: ignore[union-attr]
+            assert engine.metrics.finish_reasons.get("abort") == 1
+            # one slot and a queue of one: of four long requests at once, some are refused
+            statuses: list[int] = []
+            retry_after: list[str | None] = []
+
+            async def one() -> None:
+                r = await http.post("/v1/completions", json={**body, "stream": False, "max_tokens": 300})
+                statuses.append(r.status_code)
+                if r.status_code == 429:
+                    retry_after.append(r.headers.get("retry-after"))
+                    assert r.json()["error"]["type"] == "rate_limit_exceeded"
+
+            await gather(*(one() for _ in range(4)))
+            assert statuses.count(429) >= 2 and statuses.count(200) >= 1, statuses
+            assert set(retry_after) == {"1"}
+        assert engine.slots_in_use() == 0
+
+
+async def test_bad_requests_get_openai_errors_and_the_server_goes_on(model_paths: dict[str, Path]) -> None:
+    limits = ServerLimits(max_body_bytes=64 * 1024)
+    async with serving(config(model_paths, "walk-llama", n_seq=2), limits=limits) as (base, engine):
+        good = {"model": MODEL, "prompt": "hello", "max_tokens": 3}
+        cases: list[tuple[Any, int, str | None]] = [
+            (b"{not json", 400, None),
+            ({**good, "max_tokens": "5"}, 400, "max_tokens"),  # strings are not numbers
+            ({**good, "max_tokens": -1}, 400, "max_tokens"),
+            ({**good, "temperature": 3}, 400, "temperature"),
+            ({**good, "logprobs": True}, 400, "logprobs"),  # completions take a count
+            ({**good, "frobnicate": 1}, 400, "frobnicate"),  # unknown fields, as OpenAI refuses them
+            ({**good, "logit_bias": {"not-a-token": 1}}, 400, "logit_bias"),
+            ({**good, "echo": True}, 400, "echo"),
+            ({**good, "n": 99}, 400, "n"),
+            ({k: v for k, v in good.items() if k != "prompt"}, 400, "prompt"),
+            ({**good, "model": "gpt-9"}, 404, "model"),
+            ({**good, "prompt": [1000] * 300}, 400, "prompt"),  # over the context (n_ctx 256)
+            ({**good, "prompt": "x" * 100_000}, 413, None),  # over the body limit
+            ([1, 2], 400, None),
+        ]
+        async with httpx.AsyncClient(base_url=base) as http:
+            for body, status, param in cases:
+                kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+                r = await http.post("/v1/completions", **kw)  # type: ignore[arg-type]
+                assert r.status_code == status, (body if len(str(body)) < 200 else "big", r.text)
+                err = r.json()["error"]
+                assert set(err) == {"message", "type", "param", "code"} and err["message"]
+                assert param is None or err["param"] == param, (param, err)
+            chat_cases: list[dict[str, Any]] = [
+                {"model": MODEL, "messages": []},
+                {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]},
+                {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+                {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": []},
+                {
+                    "model": MODEL,
+                    "messages": [{"role": "user", "content": "x"}],
+                    "response_format": {
+                        "type": "json_schema",
+                        "json_schema": {"schema": {"type": "nonsense"}},
+                    },
+                },
+            ]
+            for body in chat_cases:
+                r = await http.post("/v1/chat/completions", json=body)
+                assert r.status_code == 400, (body, r.text)
+            assert (await http.get("/v1/nowhere")).status_code == 404
+            assert (await http.get("/v1/completions")).json()["error"]["code"] == "method_not_allowed"
+            r = await http.post("/v1/completions", json=good)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        assert engine.slots_in_use() == 0 and engine.metrics.step_faults == 0
+
+
+async def test_metrics_parse_and_count_the_requests(model_paths: dict[str, Path]) -> None:
+    cfg = config(model_paths, "walk-llama", None, "ngram-simple", 2)
+    async with serving(cfg) as (base, engine), client(base) as api:
+        outs = await gather(
+            *(
+                api.completions.create(model=MODEL, prompt=f"p{i}", max_tokens=5, temperature=0)
+                for i in range(6)
+            )
+        )
+        async with httpx.AsyncClient(base_url=base) as http:
+            text = (await http.get("/metrics")).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples
+    }
+    label = (("model_name", MODEL),)
+    assert samples[("engine:request_success_total", (("finished_reason", "length"), *label))] == 6
+    generated = sum(o.usage.completion_tokens for o in outs if o.usage)
+    assert samples[("engine:generation_tokens_total", label)] == generated == 30
+    prompt_tokens = sum(o.usage.prompt_tokens for o in outs if o.usage)
+    assert samples[("engine:prompt_tokens_total", label)] == prompt_tokens
+    assert samples[("engine:time_to_first_token_seconds_count", label)] == 6
+    assert samples[("engine:e2e_request_latency_seconds_count", label)] == 6
+    assert samples[("engine:num_requests_running", label)] == 0
+    assert samples[("engine:step_seconds_count", label)] == engine.metrics.steps > 0
+    for name in (
+        "engine:spec_decode_num_draft_tokens",
+        "engine:batch_occupancy",
+        "engine:num_requests_waiting",
+    ):
+        assert name in families
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.slow
+async def test_sigterm_closes_streams_in_flight_within_the_bound(model_paths: dict[str, Path]) -> None:
+    port = _free_port()
+    grace = 2.0
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "engine",
+            "serve",
+            "--model",
+            str(model_paths["walk-llama"]),
+            "--port",
+            str(port),
+        ]
+        + ["--served-model-name", MODEL, "--spec", "none", "--n-seq", "4", "--n-ctx", "4096"]
+        + ["--shutdown-timeout", str(grace), "--threads", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "ENGINE_API_KEY": ""},
+    )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+            with anyio.fail_after(60):
+                while True:
+                    with contextlib.suppress(httpx.TransportError):
+                        if (await http.get("/health")).status_code == 200:
+                            break
+                    await anyio.sleep(0.1)
+            body = {"model": MODEL, "prompt": "once", "max_tokens": 4000, "stream": True, "ignore_eos": True}
+            ends: list[tuple[str, float]] = []
+            started = anyio.Event()
+            n_started = 0
+
+            async def stream() -> None:
+                nonlocal n_started
+                reason = None
+                async with http.stream("POST", "/v1/completions", json=body) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            chunk = json.loads(line[6:])
+                            if reason is None and n_started < 4 and not chunk.get("_seen"):
+                                n_started += 1
+                                chunk["_seen"] = True
+                                if n_started == 4:
+                                    started.set()
+                            reason = chunk["choices"][0]["finish_reason"] or reason
+                        if line == "data: [DONE]":
+                            ends.append((reason or "", time.perf_counter()))
+
+            async with anyio.create_task_group() as tg:
+                for _ in range(4):
+                    tg.start_soon(stream)
+                with anyio.fail_after(30):
+                    await started.wait()
+                t_term = time.perf_counter()
+                proc.send_signal(signal.SIGTERM)
+        # every stream ended with [DONE] (aborted at the bound), none was cut off
+        assert len(ends) == 4 and {r for r, _ in ends} == {"abort"}, ends
+        assert max(t for _, t in ends) - t_term < grace + 3
+        # (uvicorn re-raises the signal once it has shut down: the conventional exit status)
+        status = await anyio.to_thread.run_sync(lambda: proc.wait(timeout=grace + 10))
+        assert status in (0, -signal.SIGTERM)
+        assert time.perf_counter() - t_term < grace + 10
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        out, err = proc.communicate()
+    assert out == b"" and b"Traceback" not in err, err.decode()  # nothing on stdout
