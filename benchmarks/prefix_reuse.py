@@ -20,7 +20,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from side_by_side import REF_BIN, ROOT, Setup, portable, run_ours, run_server
+from side_by_side import REF_BIN, ROOT, Setup, portable, run_ours, run_server, write_benchmarks
 
 from engine import EngineConfig
 from engine.bench import (
@@ -237,12 +237,8 @@ async def main() -> int:
     Path(args.out).write_text("\n".join(md))
     Path(args.out).with_suffix(".json").write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")
-    if Path(args.out).resolve() == RESULTS / "prefix_reuse.md":  # BENCHMARKS.md ends with it
-        bench = ROOT / "BENCHMARKS.md"
-        text = bench.read_text()
-        head = text.split("\n" + md[0] + "\n", 1)[0].rstrip("\n")
-        bench.write_text(head + "\n\n" + "\n".join(md))
-        print(f"wrote {bench}")
+    if Path(args.out).resolve() == RESULTS / "prefix_reuse.md":  # a part of BENCHMARKS.md
+        write_benchmarks()
     return 0
 
 

@@ -68,6 +68,25 @@ LCP_VERSION = "0.3.36"  # the release whose source distribution pins our llama.c
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 
 
+#: the sections other scripts write, in the order BENCHMARKS.md ends with them
+PARTS = [ROOT / "benchmarks" / "results" / "prefix_reuse.md", ROOT / "benchmarks" / "results" / "http.md"]
+
+
+def write_benchmarks(head: str | None = None) -> None:
+    """BENCHMARKS.md: this script's part (``head``, or what the file holds before the first
+    other section), then every part in :data:`PARTS` that exists."""
+    bench = ROOT / "BENCHMARKS.md"
+    if head is None:
+        head = bench.read_text()
+        for part in PARTS:
+            if part.exists():
+                heading = part.read_text().split("\n", 1)[0]
+                head = head.split("\n" + heading + "\n", 1)[0]
+    parts = [part.read_text().strip("\n") for part in PARTS if part.exists()]
+    bench.write_text("\n\n".join([head.rstrip("\n"), *parts]) + "\n")
+    print(f"wrote {bench}")
+
+
 @dataclass
 class Setup:
     model: str
@@ -411,8 +430,10 @@ async def main() -> int:
     }
     table = speculation_table(sections)
     text = report(sections, meta, table)
-    prefix = ROOT / "benchmarks" / "results" / "prefix_reuse.md"  # benchmarks/prefix_reuse.py's part
-    Path(args.out).write_text(text + ("\n" + prefix.read_text() if prefix.exists() else ""))
+    if Path(args.out).resolve() == ROOT / "BENCHMARKS.md":
+        write_benchmarks(text)
+    else:
+        Path(args.out).write_text(text)
     if Path(args.out).resolve() == ROOT / "BENCHMARKS.md":  # (a trial run elsewhere leaves them be)
         update_readme(table, ROOT / "README.md")
         try:

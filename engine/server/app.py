@@ -285,9 +285,12 @@ class _Call:
     async def _events(
         self, first: tuple[int, Delta] | None, rest: AsyncIterator[tuple[int, Delta]]
     ) -> AsyncIterator[bytes]:
-        include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
+        options = self.body.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous = bool(options and options.continuous_usage_stats)  # tokens so far on every chunk
         finals: dict[int, RequestMetrics] = {}
         offsets: dict[int, int] = {}
+        generated = 0
         try:
             if self.chat:
                 for index, _ in self._choices():
@@ -306,7 +309,10 @@ class _Call:
                 if delta.output is not None:
                     finals[index] = delta.output.metrics
                 choice = self._delta_choice(index, delta, offsets)
-                if choice is not None:
+                generated += len(delta.token_ids)
+                if choice is not None and continuous:
+                    yield _sse(self._envelope([choice], usage={"completion_tokens": generated}))
+                elif choice is not None:
                     yield self._chunk([choice], include_usage)
             if include_usage:
                 yield _sse(self._envelope([], usage=self._usage(finals)))

@@ -53,6 +53,7 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # (vLLM's) usage so far on every chunk
 
 
 class JsonSchema(_Body):

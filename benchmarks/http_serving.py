@@ -1,0 +1,180 @@
+"""Serving over HTTP, measured: our server (``python -m engine serve``) against llama-server's
+``/v1`` endpoints, both driven by the same OpenAI-client load (``engine.bench.run_http_load``,
+what ``python -m engine bench --url`` runs), and against the same engine in-process (the
+HTTP layer's overhead). Writes ``benchmarks/results/http.md`` and ``.json`` and puts the
+section into BENCHMARKS.md.
+
+    ./benchmarks/build_reference.sh             # llama-server
+    python benchmarks/http_serving.py           # N = 1, 4, 16, 64, 3 interleaved repeats
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import json
+import logging
+import os
+import shlex
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+from side_by_side import REF_BIN, ROOT, Setup, _free_port, portable, server_command, write_benchmarks
+
+from engine import EngineConfig
+from engine.bench import (
+    PROMPTS,
+    BenchResult,
+    default_requests,
+    machine_info,
+    median_spread,
+    percentile,
+    run_http_load,
+    run_load,
+)
+from engine.scheduler.params import default_model_path
+
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+@contextlib.asynccontextmanager
+async def process(cmd: list[str], port: int, log_name: str) -> AsyncIterator[str]:
+    """A server process, up once ``/health`` answers: its ``/v1`` URL."""
+    log = open(ROOT / "build" / "reference" / log_name, "w")  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            for _ in range(600):
+                with contextlib.suppress(httpx.TransportError):
+                    if (await client.get("/health")).status_code == 200:
+                        break
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{cmd[0]} exited ({proc.returncode}); see {log.name}")
+                await asyncio.sleep(0.2)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def ours_command(s: Setup, n: int, port: int) -> list[str]:
+    return [
+        sys.executable, "-m", "engine", "serve", "--model", s.model, "--port", str(port),
+        "--spec", "none", "--n-seq", str(n), "--n-ctx", str(s.n_ctx), "--threads", str(s.threads),
+    ]  # fmt: skip
+
+
+async def measure(s: Setup, n: int, prompts: list[str], requests: int) -> dict[str, BenchResult]:
+    """One interleaved round at N: in-process, our server, llama-server."""
+    config = EngineConfig(model=s.model, n_seq=n, n_ctx=s.n_ctx, threads=s.threads)
+    out = {"inproc": await run_load(config, n, requests, s.max_tokens, prompts)}
+    port = _free_port()
+    async with process(ours_command(s, n, port), port, f"ours-serve-{n}.log") as url:
+        out["ours"] = await run_http_load(url, n, requests, s.max_tokens, prompts)
+    port = _free_port()
+    async with process(server_command(s, n, "none", port), port, f"server-http-{n}.log") as url:
+        out["server"] = await run_http_load(url, n, requests, s.max_tokens, prompts)
+    return out
+
+
+def _fmt(m: tuple[float, float, float] | None) -> str:
+    return "-" if m is None else f"**{m[0]:.2f}** [{m[1]:.2f}, {m[2]:.2f}]"
+
+
+def _mid(values: list[float]) -> float:
+    m = median_spread(values)
+    return m[0] if m else float("nan")
+
+
+async def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="GGUF (default: Gemma 3 270M from the demo extra)")
+    ap.add_argument("--streams", default="1,4,16,64")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--n-ctx", type=int, default=1024, help="context per sequence")
+    ap.add_argument("--out", default=str(RESULTS / "http.md"))
+    args = ap.parse_args()
+    logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
+    if not (REF_BIN / "llama-server").exists():
+        sys.exit("build the reference tools first: ./benchmarks/build_reference.sh")
+    model = str(args.model or default_model_path())
+    s = Setup(model, [], args.max_tokens, args.threads, args.n_ctx, 3, 4)
+    prompts = list(PROMPTS)
+    n_values = [int(x) for x in args.streams.split(",")]
+    runs: dict[int, list[dict[str, BenchResult]]] = {n: [] for n in n_values}
+    for rep in range(args.repeats):  # interleaved: every N, every side, then again
+        for n in n_values:
+            print(
+                f"N={n} repeat {rep + 1}/{args.repeats}: in-process, ours over HTTP, llama-server", flush=True
+            )
+            r = await measure(s, n, prompts, default_requests(n))
+            runs[n].append(r)
+            print(
+                "   " + ", ".join(f"{k} {v.tokens_per_s:.1f} tok/s" for k, v in r.items()),
+                flush=True,
+            )
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    machine = machine_info()
+    command = "python benchmarks/http_serving.py " + shlex.join(sys.argv[1:])
+    rows, table = [], []
+    for n in n_values:
+        rs = runs[n]
+        tput = {k: [r[k].tokens_per_s for r in rs] for k in ("inproc", "ours", "server")}
+        vs_inproc = median_spread([r["ours"].tokens_per_s / r["inproc"].tokens_per_s for r in rs])
+        vs_server = median_spread([r["ours"].tokens_per_s / r["server"].tokens_per_s for r in rs])
+        ttft = {k: _mid([percentile(r[k].ttft, 0.5) for r in rs]) for k in ("ours", "server")}
+        itl = {k: _mid([percentile(r[k].itl, 0.5) for r in rs]) for k in ("ours", "server")}
+        table.append(
+            f"| {n} | {_mid(tput['inproc']):.1f} | {_mid(tput['ours']):.1f} | {_fmt(vs_inproc)} | "
+            f"{_mid(tput['server']):.1f} | {_fmt(vs_server)} | {ttft['ours']:.3f} / {ttft['server']:.3f} | "
+            f"{1000 * itl['ours']:.0f} / {1000 * itl['server']:.0f} |"
+        )
+        rows.append({"n_streams": n, "runs": [{k: v.as_dict() for k, v in r.items()} for r in rs]})
+    md = [
+        "## Serving over HTTP",
+        "",
+        f"Measured {date} on {machine.get('cpu', '?')} ({machine.get('cores', '?')} cores), model "
+        f"`{Path(model).name}`, {args.threads} threads, greedy, no speculation on either side, prefix "
+        "reuse at each side's default (ours: the prefix cache; llama-server: `cache_prompt`, per slot); one "
+        f"process at a time. N closed-loop clients, 4N requests (at least 8) of {args.max_tokens} tokens "
+        "(end-of-generation ignored), mixed prompts sent as text to `/v1/completions` (streamed) by the same "
+        "client (`engine.bench.run_http_load`, a new connection per request); throughput of the steady "
+        f"window. Ratios are medians of {args.repeats} interleaved repeats [min, max]. In-process: the same "
+        "engine and load through `engine.stream`, no HTTP.",
+        "",
+        "| N | in-process tok/s | our server tok/s | ours HTTP ÷ in-process | llama-server tok/s | "
+        "ours ÷ llama-server | TTFT p50 s, ours / server | ITL p50 ms, ours / server |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *table,
+        "",
+        "Commands (per N; the server processes are started fresh for every run):",
+        "",
+        f"    {command}",
+        f"    {portable(shlex.join(['python', *ours_command(s, 64, 8000)[1:]]), model)}",
+        f"    {portable(shlex.join(server_command(s, 64, 'none', 8080)), model)}",
+        "    python -m engine bench --url http://127.0.0.1:8000/v1 --streams 64",
+        "",
+    ]
+    Path(args.out).write_text("\n".join(md))
+    report = {"date": date, "machine": machine, "model": Path(model).name, "command": command, "rows": rows}
+    Path(args.out).with_suffix(".json").write_text(json.dumps(report, indent=2))
+    print("\n".join(md))
+    if Path(args.out).resolve() == RESULTS / "http.md":
+        write_benchmarks()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))
