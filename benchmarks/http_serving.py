@@ -16,16 +16,20 @@ import contextlib
 import datetime
 import json
 import logging
+import math
 import os
+import pickle
 import shlex
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+import tempfile
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
-from side_by_side import REF_BIN, ROOT, Setup, _free_port, portable, server_command, write_benchmarks
+from side_by_side import PARTS, REF_BIN, ROOT, Setup, _free_port, portable, server_command, write_benchmarks
 
 from engine import EngineConfig
 from engine.bench import (
@@ -74,17 +78,52 @@ def ours_command(s: Setup, n: int, port: int) -> list[str]:
     ]  # fmt: skip
 
 
-async def measure(s: Setup, n: int, prompts: list[str], requests: int) -> dict[str, BenchResult]:
-    """One interleaved round at N: in-process, our server, llama-server."""
-    config = EngineConfig(model=s.model, n_seq=n, n_ctx=s.n_ctx, threads=s.threads)
-    out = {"inproc": await run_load(config, n, requests, s.max_tokens, prompts)}
-    port = _free_port()
-    async with process(ours_command(s, n, port), port, f"ours-serve-{n}.log") as url:
-        out["ours"] = await run_http_load(url, n, requests, s.max_tokens, prompts)
-    port = _free_port()
-    async with process(server_command(s, n, "none", port), port, f"server-http-{n}.log") as url:
-        out["server"] = await run_http_load(url, n, requests, s.max_tokens, prompts)
+SIDES = ("inproc", "ours", "server")
+
+
+async def measure(
+    s: Setup, n: int, prompts: list[str], requests: int, sides: list[str]
+) -> dict[str, BenchResult]:
+    """One interleaved round at N: in-process, our server, llama-server (those in ``sides``).
+    Every load runs in a fresh client process of its own, so no side inherits another's
+    process state (the in-process engine's, or a previous run's)."""
+    out = {}
+    load = {"n": n, "requests": requests, "max_tokens": s.max_tokens, "prompts": prompts}
+    if "inproc" in sides:
+        config = {"model": s.model, "n_seq": n, "n_ctx": s.n_ctx, "threads": s.threads}
+        out["inproc"] = await _in_child({**load, "engine": config})
+    for side, command in (
+        ("ours", ours_command),
+        ("server", lambda s, n, port: server_command(s, n, "none", port)),
+    ):
+        if side in sides:
+            port = _free_port()
+            async with process(command(s, n, port), port, f"http-{side}-{n}.log") as url:
+                out[side] = await _in_child({**load, "url": url})
     return out
+
+
+async def _in_child(job: dict[str, Any]) -> BenchResult:
+    """Run one load (``url``: over HTTP; ``engine``: in-process) in a child process."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spec, result = Path(tmp) / "job.json", Path(tmp) / "result.pickle"
+        spec.write_text(json.dumps(job))
+        cmd = [sys.executable, __file__, "--child", str(spec), str(result)]
+        proc = await asyncio.create_subprocess_exec(*cmd)
+        if await proc.wait() != 0:
+            raise RuntimeError(f"the load process failed ({proc.returncode})")
+        loaded: BenchResult = pickle.loads(result.read_bytes())
+        return loaded
+
+
+async def _child(spec: Path, result: Path) -> None:
+    job = json.loads(spec.read_text())
+    n, requests, max_tokens, prompts = job["n"], job["requests"], job["max_tokens"], job["prompts"]
+    if "url" in job:
+        r = await run_http_load(job["url"], n, requests, max_tokens, prompts)
+    else:
+        r = await run_load(EngineConfig(**job["engine"]), n, requests, max_tokens, prompts)
+    result.write_bytes(pickle.dumps(r))
 
 
 def _fmt(m: tuple[float, float, float] | None) -> str:
@@ -96,7 +135,40 @@ def _mid(values: list[float]) -> float:
     return m[0] if m else float("nan")
 
 
+Round = dict[str, BenchResult]
+
+
+def _col(rs: list[Round], side: str, f: Callable[[BenchResult], float]) -> float:
+    """The median over the rounds of ``f`` of one side (nan when it did not run)."""
+    return _mid([f(r[side]) for r in rs]) if side in rs[0] else float("nan")
+
+
+def _ratio(rs: list[Round], a: str, b: str) -> str:
+    """Throughput of ``a`` ÷ ``b`` per round: median [min, max]."""
+    ok = a in rs[0] and b in rs[0]
+    return _fmt(median_spread([r[a].tokens_per_s / r[b].tokens_per_s for r in rs]) if ok else None)
+
+
+def _n(value: float, fmt: str) -> str:
+    return "-" if math.isnan(value) else format(value, fmt)
+
+
+def _tps(r: BenchResult) -> float:
+    return r.tokens_per_s
+
+
+def _ttft(r: BenchResult) -> float:
+    return percentile(r.ttft, 0.5)
+
+
+def _itl(r: BenchResult) -> float:
+    return 1000 * percentile(r.itl, 0.5)
+
+
 async def main() -> int:
+    if sys.argv[1:2] == ["--child"]:
+        await _child(Path(sys.argv[2]), Path(sys.argv[3]))
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="GGUF (default: Gemma 3 270M from the demo extra)")
     ap.add_argument("--streams", default="1,4,16,64")
@@ -104,6 +176,7 @@ async def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--n-ctx", type=int, default=1024, help="context per sequence")
+    ap.add_argument("--sides", default=",".join(SIDES), help=f"which of {', '.join(SIDES)} to run")
     ap.add_argument("--out", default=str(RESULTS / "http.md"))
     args = ap.parse_args()
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
@@ -119,7 +192,7 @@ async def main() -> int:
             print(
                 f"N={n} repeat {rep + 1}/{args.repeats}: in-process, ours over HTTP, llama-server", flush=True
             )
-            r = await measure(s, n, prompts, default_requests(n))
+            r = await measure(s, n, prompts, default_requests(n), args.sides.split(","))
             runs[n].append(r)
             print(
                 "   " + ", ".join(f"{k} {v.tokens_per_s:.1f} tok/s" for k, v in r.items()),
@@ -131,27 +204,25 @@ async def main() -> int:
     rows, table = [], []
     for n in n_values:
         rs = runs[n]
-        tput = {k: [r[k].tokens_per_s for r in rs] for k in ("inproc", "ours", "server")}
-        vs_inproc = median_spread([r["ours"].tokens_per_s / r["inproc"].tokens_per_s for r in rs])
-        vs_server = median_spread([r["ours"].tokens_per_s / r["server"].tokens_per_s for r in rs])
-        ttft = {k: _mid([percentile(r[k].ttft, 0.5) for r in rs]) for k in ("ours", "server")}
-        itl = {k: _mid([percentile(r[k].itl, 0.5) for r in rs]) for k in ("ours", "server")}
         table.append(
-            f"| {n} | {_mid(tput['inproc']):.1f} | {_mid(tput['ours']):.1f} | {_fmt(vs_inproc)} | "
-            f"{_mid(tput['server']):.1f} | {_fmt(vs_server)} | {ttft['ours']:.3f} / {ttft['server']:.3f} | "
-            f"{1000 * itl['ours']:.0f} / {1000 * itl['server']:.0f} |"
+            f"| {n} | {_n(_col(rs, 'inproc', _tps), '.1f')} | {_n(_col(rs, 'ours', _tps), '.1f')} | "
+            f"{_ratio(rs, 'ours', 'inproc')} | {_n(_col(rs, 'server', _tps), '.1f')} | {_ratio(rs, 'ours', 'server')} | "
+            f"{_n(_col(rs, 'ours', _ttft), '.3f')} / {_n(_col(rs, 'server', _ttft), '.3f')} | "
+            f"{_n(_col(rs, 'ours', _itl), '.0f')} / {_n(_col(rs, 'server', _itl), '.0f')} |"
         )
         rows.append({"n_streams": n, "runs": [{k: v.as_dict() for k, v in r.items()} for r in rs]})
+    sides = args.sides.split(",")
     md = [
-        "## Serving over HTTP",
+        "## Serving over HTTP" if "server" in sides else f"### Serving over HTTP: {', '.join(sides)} only",
         "",
         f"Measured {date} on {machine.get('cpu', '?')} ({machine.get('cores', '?')} cores), model "
         f"`{Path(model).name}`, {args.threads} threads, greedy, no speculation on either side, prefix "
         "reuse at each side's default (ours: the prefix cache; llama-server: `cache_prompt`, per slot); one "
         f"process at a time. N closed-loop clients, 4N requests (at least 8) of {args.max_tokens} tokens "
         "(end-of-generation ignored), mixed prompts sent as text to `/v1/completions` (streamed) by the same "
-        "client (`engine.bench.run_http_load`, a new connection per request); throughput of the steady "
-        f"window. Ratios are medians of {args.repeats} interleaved repeats [min, max]. In-process: the same "
+        "client (`engine.bench.run_http_load`, a new connection per request; every load in a fresh client "
+        f"process); throughput of the steady window. Ratios are medians of {args.repeats} interleaved repeats "
+        "[min, max]. In-process: the same "
         "engine and load through `engine.stream`, no HTTP.",
         "",
         "| N | in-process tok/s | our server tok/s | ours HTTP ÷ in-process | llama-server tok/s | "
@@ -171,7 +242,7 @@ async def main() -> int:
     report = {"date": date, "machine": machine, "model": Path(model).name, "command": command, "rows": rows}
     Path(args.out).with_suffix(".json").write_text(json.dumps(report, indent=2))
     print("\n".join(md))
-    if Path(args.out).resolve() == RESULTS / "http.md":
+    if Path(args.out).resolve() in PARTS:  # a part of BENCHMARKS.md
         write_benchmarks()
     return 0
 

@@ -398,9 +398,14 @@ async def test_sigterm_closes_streams_in_flight_within_the_bound(model_paths: di
 async def test_bench_url_drives_the_server_with_the_same_load(model_paths: dict[str, Path]) -> None:
     from engine.bench import run_http_load
 
-    cfg = config(model_paths, "walk-llama-cycle6", None, "ngram-simple", 2, spec_extra={"ngram_size_n": 2})
+    extra = {"ngram_size_n": 2, "ngram_size_m": 4}
+    cfg = config(
+        model_paths, "walk-llama-cycle6", None, "ngram-simple", 2, spec_extra=extra, draft_policy="fixed"
+    )
     async with serving(cfg, api_key="k") as (base, engine):
-        r = await run_http_load(f"{base}/v1", 2, 6, 24, ["a b c", "d e f"], api_key="k")
+        r = await run_http_load(
+            f"{base}/v1", 2, 6, 24, [list(range(1000, 1010)), [3000, 3100, 3200]], api_key="k"
+        )
     # every token counted (the ramp's first request asks 12 of 24), drafts as the server says
     assert r.requests == 6 and r.tokens == 6 * 24 - 12
     assert 0 < r.drafted <= engine.metrics.drafted  # (the warm-up request is not counted)
@@ -417,3 +422,15 @@ async def test_the_default_chat_model_answers_over_http() -> None:
         messages: Any = [{"role": "user", "content": "What is the capital of France?"}]
         out = await api.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24)
     assert "Paris" in (out.choices[0].message.content or "")
+
+
+async def test_a_client_that_leaves_a_whole_response_aborts_it(model_paths: dict[str, Path]) -> None:
+    cfg = config(model_paths, "walk-llama", n_seq=1, n_ctx=2048, n_batch=256)
+    async with serving(cfg) as (base, engine):
+        body = {"model": MODEL, "prompt": "once", "max_tokens": 1500, "ignore_eos": True}
+        async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+            with anyio.move_on_after(0.5):  # the client gives up waiting: its connection closes
+                await http.post("/v1/completions", json=body)
+            assert engine.slots_in_use() == 1 or engine.metrics.finish_reasons
+        await wait_until(lambda: engine.slots_in_use() == 0, timeout=10)
+        assert engine.metrics.finish_reasons == {"abort": 1}

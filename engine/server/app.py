@@ -171,7 +171,8 @@ class OpenAIServer:
             call = _Call(self, body, params, prompts, chat=isinstance(body, ChatRequest))
             if body.stream:
                 return await call.stream()
-            return JSONResponse(await call.complete())
+            result = await _unless_disconnected(request, call.complete())
+            return JSONResponse(result) if result is not None else Response(status_code=499)
         except Exception as exc:  # noqa: BLE001 - every failure is an OpenAI-style error
             return _engine_error(exc, "messages" if isinstance(body, ChatRequest) else "prompt", self.limits)
 
@@ -226,7 +227,7 @@ class _Call:
                     for index, prompt in choices:
                         tg.start_soon(one, index, prompt)
             except BaseExceptionGroup as group:
-                raise group.exceptions[0] from None
+                raise group.exceptions[0] from group.exceptions[0].__cause__
         return {
             "id": self.id,
             "object": self.object,
@@ -355,6 +356,27 @@ class _Call:
 
     def _chunk(self, choices: list[dict[str, Any]], include_usage: bool) -> bytes:
         return _sse(self._envelope(choices, **({"usage": None} if include_usage else {})))
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[dict[str, Any]]) -> dict[str, Any] | None:
+    """``work``'s result, or None once the client has gone away: then its requests are
+    cancelled (aborted in the engine), as a streamed request's are."""
+    result: dict[str, Any] | None = None
+
+    async def run(scope: anyio.CancelScope) -> None:
+        nonlocal result
+        result = await work
+        scope.cancel()
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, tg.cancel_scope)
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            tg.cancel_scope.cancel()  # the client left before the result
+    except BaseExceptionGroup as group:
+        raise group.exceptions[0] from group.exceptions[0].__cause__
+    return result
 
 
 def _sse(obj: dict[str, Any]) -> bytes:
