@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import datetime
 import json
 import logging
@@ -20,16 +19,23 @@ import math
 import os
 import pickle
 import shlex
-import signal
-import subprocess
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
-from side_by_side import PARTS, REF_BIN, ROOT, Setup, _free_port, portable, server_command, write_benchmarks
+from side_by_side import (
+    PARTS,
+    REF_BIN,
+    ROOT,
+    Setup,
+    _free_port,
+    portable,
+    server_command,
+    server_process,
+    write_benchmarks,
+)
 
 from engine import EngineConfig
 from engine.bench import (
@@ -45,30 +51,6 @@ from engine.bench import (
 from engine.scheduler.params import default_model_path
 
 RESULTS = ROOT / "benchmarks" / "results"
-
-
-@contextlib.asynccontextmanager
-async def process(cmd: list[str], port: int, log_name: str) -> AsyncIterator[str]:
-    """A server process, up once ``/health`` answers: its ``/v1`` URL."""
-    log = open(ROOT / "build" / "reference" / log_name, "w")  # noqa: SIM115
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
-            for _ in range(600):
-                with contextlib.suppress(httpx.TransportError):
-                    if (await client.get("/health")).status_code == 200:
-                        break
-                if proc.poll() is not None:
-                    raise RuntimeError(f"{cmd[0]} exited ({proc.returncode}); see {log.name}")
-                await asyncio.sleep(0.2)
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
 
 
 def ours_command(s: Setup, n: int, port: int) -> list[str]:
@@ -98,8 +80,8 @@ async def measure(
     ):
         if side in sides:
             port = _free_port()
-            async with process(command(s, n, port), port, f"http-{side}-{n}.log") as url:
-                out[side] = await _in_child({**load, "url": url})
+            async with server_process(command(s, n, port), port, f"http-{side}-{n}.log") as url:
+                out[side] = await _in_child({**load, "url": f"{url}/v1"})
     return out
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import logging
@@ -190,6 +191,31 @@ def _server_send(
     return send
 
 
+@contextlib.asynccontextmanager
+async def server_process(cmd: list[str], port: int, log_name: str) -> AsyncIterator[str]:
+    """A server process (its output in build/reference/LOG_NAME), up once ``/health``
+    answers: its base URL; stopped with SIGINT on the way out."""
+    log = open(ROOT / "build" / "reference" / log_name, "w")  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            for _ in range(600):
+                with contextlib.suppress(httpx.TransportError):
+                    if (await client.get("/health")).status_code == 200:
+                        break
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{cmd[0]} exited ({proc.returncode}); see {log.name}")
+                await asyncio.sleep(0.2)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
 async def run_server(
     s: Setup, n: int, spec: str, requests: list[list[int]], cache_prompt: bool = False
 ) -> tuple[BenchResult, Outputs, str]:
@@ -197,24 +223,11 @@ async def run_server(
     (``cache_prompt``: each slot keeps its prompt for the next request to reuse)."""
     port = _free_port()
     cmd = server_command(s, n, spec, port)
-    log = open(ROOT / "build" / "reference" / f"server-{spec}-{n}.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    try:
+    async with server_process(cmd, port, f"server-{spec}-{n}.log") as url:
         # a new connection per request: llama-server (cpp-httplib) closes kept-alive
         # connections after a few requests, which a pooled client sees as a disconnect
         limits = httpx.Limits(max_connections=n + 1, max_keepalive_connections=0)
-        async with httpx.AsyncClient(
-            base_url=f"http://127.0.0.1:{port}", timeout=600, limits=limits
-        ) as client:
-            for _ in range(600):
-                try:
-                    if (await client.get("/health")).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if proc.poll() is not None:
-                    raise RuntimeError(f"llama-server exited ({proc.returncode}); see {log.name}")
-                await asyncio.sleep(0.2)
+        async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
             outputs: list[list[int] | None] = [None] * len(requests)
             stats = {"drafted": 0, "accepted": 0}
             send = _server_send(client, requests, outputs, stats, cache_prompt)
@@ -224,13 +237,6 @@ async def run_server(
             result = await closed_loop(n, len(requests), s.max_tokens, send)
             result.speculative, result.prefix_cache = spec, cache_prompt
             result.drafted, result.accepted = stats["drafted"], stats["accepted"]
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
     return result, outputs, shlex.join(cmd)
 
 
