@@ -338,6 +338,17 @@ async def run_load(
     return result
 
 
+def _draft_counts(usage: dict[str, Any], timings: dict[str, Any]) -> tuple[int, int] | None:
+    """A request's (drafted, accepted) tokens: our ``usage.speculative`` or llama-server's
+    ``timings``; None when the chunk has neither."""
+    if "speculative" in usage:
+        spec = usage["speculative"]
+        return int(spec.get("drafted_tokens", 0)), int(spec.get("accepted_tokens", 0))
+    if "draft_n" in timings:
+        return int(timings["draft_n"]), int(timings.get("draft_n_accepted", 0))
+    return None
+
+
 async def run_http_load(
     url: str,
     n_streams: int,
@@ -384,6 +395,7 @@ async def run_http_load(
                 "stream_options": {"include_usage": True, "continuous_usage_stats": True},
             }
             seen = 0
+            drafts = (0, 0)  # (drafted, accepted) as the request's last chunks report them
             async with http.stream("POST", "/completions", json=body) as resp:
                 if resp.status_code != 200:
                     await resp.aread()
@@ -399,15 +411,10 @@ async def run_http_load(
                     if new > 0:
                         seen += new
                         yield [0] * new
-                    timings = chunk.get("timings") or {}
-                    drafted = (usage.get("speculative") or {}).get("drafted_tokens", timings.get("draft_n"))
-                    accepted = (usage.get("speculative") or {}).get(
-                        "accepted_tokens", timings.get("draft_n_accepted")
-                    )
                     if not chunk.get("choices") or chunk["choices"][0].get("finish_reason"):
-                        spec["last_drafted"], spec["last_accepted"] = int(drafted or 0), int(accepted or 0)
-            spec["drafted"] += spec.pop("last_drafted", 0)
-            spec["accepted"] += spec.pop("last_accepted", 0)
+                        drafts = _draft_counts(usage, chunk.get("timings") or {}) or drafts
+            spec["drafted"] += drafts[0]
+            spec["accepted"] += drafts[1]
 
         async for _ in send(0, 4):  # warm-up
             pass
