@@ -9,6 +9,7 @@ compared with (their ratio is the engine's overhead).
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import platform
 import time
@@ -366,9 +367,7 @@ async def run_http_load(
     server sends ``continuous_usage_stats``, as ours and vLLM do; else one per chunk with
     text, completed by the final ``usage``). Drafted/accepted tokens come from ours'
     ``usage.speculative`` or llama-server's ``timings``."""
-    import json
-
-    import httpx
+    import httpx  # (the bench extra's; only this client needs it)
 
     prompts = prompts or PROMPTS
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}

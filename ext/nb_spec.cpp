@@ -658,9 +658,7 @@ NB_MODULE(_nb_spec, m) {
             nb::list out;
             for (const TokenLogprobs & lp : o.logprobs) {
                 nb::list top;
-                for (size_t i = 0; i < lp.top.size(); ++i) {
-                    top.append(nb::make_tuple(lp.top[i].first, lp.top[i].second, to_bytes(lp.top_pieces[i])));
-                }
+                for (const Candidate & c : lp.top) top.append(nb::make_tuple(c.token, c.logprob, to_bytes(c.piece)));
                 out.append(nb::make_tuple(lp.logprob, top));
             }
             return out;

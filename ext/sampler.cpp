@@ -34,7 +34,8 @@ void validate_sampler_params(const SamplerParams & sp) {
     }
 }
 
-TokenLogprobs token_logprobs(const float * logits, int32_t n_vocab, llama_token token, int32_t k) {
+TokenLogprobs token_logprobs(const Model & model, const float * logits, llama_token token, int32_t k) {
+    const int32_t n_vocab = model.info().n_vocab;
     float max = -std::numeric_limits<float>::infinity();
     for (int32_t t = 0; t < n_vocab; ++t) max = std::max(max, logits[t]);
     double sum = 0.0;
@@ -44,22 +45,23 @@ TokenLogprobs token_logprobs(const float * logits, int32_t n_vocab, llama_token 
     out.logprob = logits[token] - lse;
     if (k <= 0) return out;
     // the k largest logits: a min-heap of k (token, logit), one pass over the vocabulary
-    auto greater = [](const std::pair<int32_t, float> & a, const std::pair<int32_t, float> & b) {
+    using Entry = std::pair<int32_t, float>;
+    auto greater = [](const Entry & a, const Entry & b) {
         return a.second > b.second || (a.second == b.second && a.first < b.first);
     };
-    std::vector<std::pair<int32_t, float>> & top = out.top;
-    top.reserve(k + 1);
+    std::vector<Entry> heap;
+    heap.reserve(k + 1);
     for (int32_t t = 0; t < n_vocab; ++t) {
-        if (static_cast<int32_t>(top.size()) == k && !greater({t, logits[t]}, top.front())) continue;
-        top.emplace_back(t, logits[t]);
-        std::push_heap(top.begin(), top.end(), greater);
-        if (static_cast<int32_t>(top.size()) > k) {
-            std::pop_heap(top.begin(), top.end(), greater);
-            top.pop_back();
+        if (static_cast<int32_t>(heap.size()) == k && !greater({t, logits[t]}, heap.front())) continue;
+        heap.emplace_back(t, logits[t]);
+        std::push_heap(heap.begin(), heap.end(), greater);
+        if (static_cast<int32_t>(heap.size()) > k) {
+            std::pop_heap(heap.begin(), heap.end(), greater);
+            heap.pop_back();
         }
     }
-    std::sort(top.begin(), top.end(), greater);
-    for (auto & entry : top) entry.second -= lse;
+    std::sort(heap.begin(), heap.end(), greater);
+    for (const auto & [t, logit] : heap) out.top.push_back({t, logit - lse, model.token_to_piece(t, false)});
     return out;
 }
 

@@ -35,14 +35,19 @@ constexpr int32_t MAX_LOGPROBS = 20;
 
 // One emitted token's log-probability under the target's distribution (the log-softmax of
 // the raw logits at its position, before any sampling transform), and the k most likely.
-struct TokenLogprobs {
+struct Candidate {
+    int32_t token = 0;
     float logprob = 0.0f;
-    std::vector<std::pair<int32_t, float>> top;  // most likely first
-    std::vector<std::string> top_pieces;         // their bytes (filled by the step)
+    std::string piece;  // its bytes
 };
 
-// TokenLogprobs of `token` in the `n_vocab` logits; O(n_vocab) with a k-entry selection.
-TokenLogprobs token_logprobs(const float * logits, int32_t n_vocab, llama_token token, int32_t k);
+struct TokenLogprobs {
+    float logprob = 0.0f;
+    std::vector<Candidate> top;  // most likely first
+};
+
+// TokenLogprobs of `token` in one row of `model`'s logits; O(n_vocab) with a k-entry selection.
+TokenLogprobs token_logprobs(const Model & model, const float * logits, llama_token token, int32_t k);
 
 // InvalidConfig naming the first bad value. Grammars are checked when the sampler is built.
 void validate_sampler_params(const SamplerParams & params);

@@ -389,12 +389,9 @@ bool StepRunner::decode_and_verify(State & st, const std::vector<const StepWork 
         SequenceSampler & sampler = *samplers_[w.seq];
         out.tokens = sampler.verify(target.get(), verify_rows, d);
         if (sampler.n_logprobs() >= 0) {  // the verification's own logits: nothing is decoded again
-            const int32_t n_vocab = model.info().n_vocab;
             for (size_t i = 0; i < out.tokens.size(); ++i) {
-                TokenLogprobs lp = token_logprobs(llama_get_logits_ith(target.get(), verify_rows[i]), n_vocab,
-                                                  out.tokens[i], sampler.n_logprobs());
-                for (const auto & entry : lp.top) lp.top_pieces.push_back(model.token_to_piece(entry.first, false));
-                out.logprobs.push_back(std::move(lp));
+                out.logprobs.push_back(token_logprobs(model, llama_get_logits_ith(target.get(), verify_rows[i]),
+                                                      out.tokens[i], sampler.n_logprobs()));
             }
         }
         for (int32_t t : out.tokens) out.pieces.push_back(model.token_to_piece(t, false));

@@ -13,7 +13,7 @@ from engine.scheduler.output import TokenLogprob
 from engine.session import Batch, Context, ContextConfig, InvalidConfigError, Model
 from tests.aio import gather
 from tests.conftest import ModelCache
-from tests.test_engine import config, mixed_requests
+from tests.test_engine import PARITY, config, mixed_requests
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -52,18 +52,8 @@ def assert_logprobs_match(
         assert e.piece == model.token_to_piece(e.token_id)
 
 
-# drafts always right, sometimes right, mostly wrong, and none
-DRAFTERS = [
-    ("none", "walk-llama", None, "none", {}),
-    ("draft", "walk-llama", "llama", "draft", {}),
-    ("draft-self", "walk-llama", "walk-llama", "draft", {}),
-    ("eagle3", "walk-llama", "walk-llama-eagle3", "eagle3", {}),
-    ("mtp", "walk-qwen35-mtp", None, "mtp", {}),
-    ("ngram", "walk-llama-cycle6", None, "ngram-simple", {"ngram_size_n": 2, "ngram_size_m": 4}),
-]
-
-
-@pytest.mark.parametrize(("name", "target", "draft", "spec", "extra"), DRAFTERS, ids=[d[0] for d in DRAFTERS])
+# every drafter, with drafts always right, sometimes right, mostly wrong, and none
+@pytest.mark.parametrize(("name", "target", "draft", "spec", "extra"), PARITY, ids=[p[0] for p in PARITY])
 async def test_logprobs_equal_a_plain_decodes_log_softmax(
     model_paths: dict[str, Path],
     models: ModelCache,

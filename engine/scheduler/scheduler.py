@@ -50,7 +50,6 @@ class EngineMetrics:
     accepted: int = 0  #: drafts kept (accepted by verification and before any stop)
     cut_tokens: int = 0  #: verified tokens dropped because a stop came before them
     accepted_per_position: list[int] = field(default_factory=list)
-    requests_finished: int = 0
     prompt_tokens: int = 0  #: prompt tokens of the requests admitted
     cached_tokens: int = 0  #: of those, tokens a cached prefix saved from prefill
     prefix_hits: int = 0  #: requests that reused a cached prefix
@@ -63,8 +62,11 @@ class EngineMetrics:
     #: a listener that raises is logged and removed
     listeners: list[Callable[[RequestMetrics], None]] = field(default_factory=list, repr=False)
 
+    @property
+    def requests_finished(self) -> int:
+        return sum(self.finish_reasons.values())
+
     def request_ended(self, metrics: RequestMetrics) -> None:
-        self.requests_finished += 1
         reason = metrics.finish_reason or "abort"
         self.finish_reasons[reason] = self.finish_reasons.get(reason, 0) + 1
         for listener in list(self.listeners):

@@ -12,12 +12,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from ..logs import get_logger
 from ..scheduler import Engine, EngineConfig
-from .app import OpenAIServer, ServerLimits, create_app
+from .app import ServerLimits, create_app
 
 __all__ = ["API_KEY_ENV", "ServerLimits", "create_app", "serve"]
 
@@ -25,11 +25,6 @@ log = get_logger("engine.server")
 
 #: the environment variable ``serve`` reads the API key from when ``--api-key`` is not given
 API_KEY_ENV = "ENGINE_API_KEY"
-
-
-def _server_of(app: Any) -> OpenAIServer:
-    server: OpenAIServer = app.app.state.server  # (app is the guard around the Starlette app)
-    return server
 
 
 async def serve(
@@ -41,7 +36,7 @@ async def serve(
     api_key: str | None = None,
     shutdown_timeout: float = 10.0,
     limits: ServerLimits | None = None,
-    on_ready: Any = None,
+    on_ready: Callable[[], None] | None = None,
 ) -> None:
     """Serve ``config``'s engine over HTTP until SIGINT/SIGTERM.
 
@@ -65,8 +60,7 @@ async def serve(
 
     class Server(uvicorn.Server):
         async def shutdown(self, sockets: Any = None) -> None:
-            state = _server_of(app)
-            state.draining = True
+            app.server.draining = True  # new requests get 503
 
             async def abort_late() -> None:
                 await asyncio.sleep(shutdown_timeout)

@@ -8,6 +8,7 @@ at the next step boundary). Every error is OpenAI-style JSON: ``{"error": {"mess
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import uuid
@@ -16,6 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import anyio
+import anyio.abc
 from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -62,6 +64,8 @@ def error(
 class _Guard:
     """ASGI middleware in front of every route: the API key (all but ``/health``) and the
     request body's size, both checked before the app reads anything."""
+
+    server: OpenAIServer | None = None  #: the routes' state behind it
 
     def __init__(self, app: Any, api_key: str | None, max_body: int) -> None:
         self.app = app
@@ -222,12 +226,9 @@ class _Call:
         if len(choices) == 1:
             await one(*choices[0])
         else:
-            try:
-                async with anyio.create_task_group() as tg:  # (the first failure cancels the rest)
-                    for index, prompt in choices:
-                        tg.start_soon(one, index, prompt)
-            except BaseExceptionGroup as group:
-                raise group.exceptions[0] from group.exceptions[0].__cause__
+            async with _task_group() as tg:  # (the first failure cancels the rest)
+                for index, prompt in choices:
+                    tg.start_soon(one, index, prompt)
         return {
             "id": self.id,
             "object": self.object,
@@ -269,7 +270,7 @@ class _Call:
         ]
         # the first delta (or the submission's error: a full queue, a prompt too long) comes
         # before the response starts, so that a refusal is an HTTP status, not a broken stream
-        merged = _merge(streams)
+        merged = _Merged(streams)
         try:
             first = await merged.__anext__()
         except StopAsyncIteration:
@@ -298,15 +299,7 @@ class _Call:
                     yield self._chunk(
                         [{"index": index, "delta": {"role": "assistant", "content": ""}}], include_usage
                     )
-            pending = [first] if first is not None else []
-            while True:
-                if pending:
-                    index, delta = pending.pop()
-                else:
-                    try:
-                        index, delta = await rest.__anext__()
-                    except StopAsyncIteration:
-                        break
+            async for index, delta in _prepend(first, rest):
                 if delta.output is not None:
                     finals[index] = delta.output.metrics
                 choice = self._delta_choice(index, delta, offsets)
@@ -358,6 +351,15 @@ class _Call:
         return _sse(self._envelope(choices, **({"usage": None} if include_usage else {})))
 
 
+async def _prepend(
+    first: tuple[int, Delta] | None, rest: AsyncIterator[tuple[int, Delta]]
+) -> AsyncIterator[tuple[int, Delta]]:
+    if first is not None:
+        yield first
+    async for item in rest:
+        yield item
+
+
 async def _unless_disconnected(request: Request, work: Awaitable[dict[str, Any]]) -> dict[str, Any] | None:
     """``work``'s result, or None once the client has gone away: then its requests are
     cancelled (aborted in the engine), as a streamed request's are."""
@@ -368,15 +370,23 @@ async def _unless_disconnected(request: Request, work: Awaitable[dict[str, Any]]
         result = await work
         scope.cancel()
 
+    async with _task_group() as tg:
+        tg.start_soon(run, tg.cancel_scope)
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        tg.cancel_scope.cancel()  # the client left before the result
+    return result
+
+
+@contextlib.asynccontextmanager
+async def _task_group() -> AsyncIterator[anyio.abc.TaskGroup]:
+    """A task group that raises its first task's error as itself (with its own cause), so
+    that the error maps to its HTTP status."""
     try:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(run, tg.cancel_scope)
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            tg.cancel_scope.cancel()  # the client left before the result
+            yield tg
     except BaseExceptionGroup as group:
         raise group.exceptions[0] from group.exceptions[0].__cause__
-    return result
 
 
 def _sse(obj: dict[str, Any]) -> bytes:
@@ -435,10 +445,6 @@ class _Merged:
             await tg.__aexit__(None, None, None)
             self.send.close()
             self.receive.close()
-
-
-def _merge(streams: list[tuple[int, Any]]) -> _Merged:
-    return _Merged(streams)
 
 
 async def _aclose(it: Any) -> None:
@@ -523,5 +529,6 @@ def create_app(
         exception_handlers={404: not_found, 405: not_allowed, 500: internal},
         lifespan=lifespan,
     )
-    app.state.server = server
-    return _Guard(app, api_key, limits.max_body_bytes)
+    guard = _Guard(app, api_key, limits.max_body_bytes)
+    guard.server = server  # (serve() drains it on shutdown)
+    return guard
