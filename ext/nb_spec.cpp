@@ -617,6 +617,7 @@ NB_MODULE(_nb_spec, m) {
         .def(nb::init<>())
         .def_rw("output_align", &StepPlan::output_align)
         .def_rw("align_from", &StepPlan::align_from)
+        .def_rw("sync_drafter", &StepPlan::sync_drafter)
         .def("settle", [](StepPlan & p, int32_t seq, int32_t n_accepted) { p.settles.push_back({seq, n_accepted}); },
              "seq"_a, "n_accepted"_a)
         .def("capture", [](StepPlan & p, int32_t seq) { p.captures.push_back(seq); }, "seq"_a)
@@ -654,6 +655,7 @@ NB_MODULE(_nb_spec, m) {
         .def_ro("produced", &StepOutput::produced)
         .def_ro("accepted", &StepOutput::accepted)
         .def_ro("pos", &StepOutput::pos)
+        .def_ro("in_sync", &StepOutput::in_sync)
         .def_prop_ro("logprobs", [](const StepOutput & o) {  // [(logprob, [(token, logprob, bytes)...])]
             nb::list out;
             for (const TokenLogprobs & lp : o.logprobs) {
@@ -682,6 +684,8 @@ NB_MODULE(_nb_spec, m) {
         .def_ro("t_draft_us", &StepResult::t_draft_us)
         .def_ro("t_decode_us", &StepResult::t_decode_us)
         .def_ro("t_process_us", &StepResult::t_process_us)
+        .def_ro("t_catch_up_us", &StepResult::t_catch_up_us)
+        .def_ro("n_sync_tokens", &StepResult::n_sync_tokens)
         .def_ro("t_verify_us", &StepResult::t_verify_us)
         .def_ro("t_total_us", &StepResult::t_total_us);
 

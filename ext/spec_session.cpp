@@ -118,6 +118,12 @@ SpecSession::SpecSession(std::shared_ptr<Context> target, std::shared_ptr<Contex
     pending_.assign(config_.n_seq, -1);
     history_.assign(config_.n_seq, {});
     results_.assign(config_.n_seq, {});
+    in_sync_.assign(config_.n_seq, true);
+    if (config_.type == "draft-simple") {
+        sync_kind_ = DrafterSync::CatchUp;
+    } else if (spec_type_needs_draft_model(config_.type) || spec_type_is_mtp(config_.type)) {
+        sync_kind_ = DrafterSync::Stream;
+    }
     if (config_.type == "none") {
         return;
     }
@@ -283,7 +289,7 @@ void SpecSession::decode_target(const BatchData & batch) {
     target_->decode(batch);
 }
 
-void SpecSession::process(const BatchData & batch) {
+void SpecSession::process_checks(const BatchData & batch) {
     target_->validate_batch(batch);
     // upstream reads the target's hidden states row by row for this batch: they must be
     // the outputs of exactly this batch's decode, harvested once
@@ -294,6 +300,10 @@ void SpecSession::process(const BatchData & batch) {
     target_->mark_last_batch_processed();
     record_history(batch);
     ++stats_.n_process;
+}
+
+void SpecSession::process(const BatchData & batch) {
+    process_checks(batch);
     if (spec_ == nullptr) return;
     const int64_t t0 = now_us();
     bool ok = false;
@@ -305,6 +315,50 @@ void SpecSession::process(const BatchData & batch) {
     }
     stats_.t_process_us += now_us() - t0;
     if (!ok) fail(ErrorKind::Process, "speculative process failed (see the llama.cpp log)");
+}
+
+int32_t SpecSession::sync(const BatchData & batch, bool stream) {
+    if (sync_kind_ == DrafterSync::Stream && stream) {
+        process(batch);
+        return static_cast<int32_t>(batch.size());
+    }
+    process_checks(batch);
+    if (sync_kind_ == DrafterSync::Stream) {
+        for (int32_t s : batch.seq) {
+            if (s >= 0 && s < static_cast<int32_t>(config_.n_seq)) in_sync_[s] = false;
+        }
+    }
+    return 0;
+}
+
+int32_t SpecSession::catch_up(const std::vector<DraftRequest> & requests) {
+    if (sync_kind_ != DrafterSync::CatchUp || spec_ == nullptr) return 0;
+    llama_memory_t mem = llama_get_memory(draft_->get());
+    const int32_t n_batch = static_cast<int32_t>(draft_->params().n_batch);
+    BatchData batch;
+    int32_t total = 0;
+    auto flush = [&] {
+        if (batch.size() == 0) return;
+        batch.logits.back() = 1;  // (llama.cpp wants one output; the draft call decodes id_last again)
+        draft_->decode(batch);
+        total += static_cast<int32_t>(batch.size());
+        batch = BatchData{};
+    };
+    for (const DraftRequest & r : requests) {
+        const auto & h = history_.at(r.seq_id);
+        const int32_t upto = std::min<int32_t>(r.n_past, static_cast<int32_t>(h.size()));
+        const int32_t have = static_cast<int32_t>(llama_memory_seq_pos_max(mem, r.seq_id)) + 1;
+        if (have > upto) llama_memory_seq_rm(mem, r.seq_id, upto, -1);
+        for (int32_t p = have; p < upto; ++p) {
+            if (static_cast<int32_t>(batch.size()) == n_batch) flush();
+            batch.tokens.push_back(h[p]);
+            batch.pos.push_back(p);
+            batch.seq.push_back(r.seq_id);
+            batch.logits.push_back(0);
+        }
+    }
+    flush();
+    return total;
 }
 
 void SpecSession::begin(int32_t seq_id, const std::vector<llama_token> & prompt) {
@@ -321,7 +375,7 @@ void SpecSession::begin(int32_t seq_id, const std::vector<llama_token> & prompt)
     target_->model()->check_tokens(prompt, "begin");
     history_[seq_id] = prompt;
     ++stats_.n_begin;
-    if (spec_ == nullptr) return;
+    if (spec_ == nullptr || !in_sync_[seq_id]) return;  // (a stream drafter that missed the prompt)
     try {
         common_speculative_begin(spec_, seq_id, prompt);
     } catch (const std::exception & e) {
@@ -363,6 +417,7 @@ std::vector<std::vector<llama_token>> SpecSession::draft_many(const std::vector<
     }
     std::vector<std::vector<llama_token>> out(requests.size());
     if (spec_ == nullptr) return out;
+    catch_up(requests);
 
     bool any = false;
     for (const DraftRequest & r : requests) {
@@ -372,7 +427,7 @@ std::vector<std::vector<llama_token>> SpecSession::draft_many(const std::vector<
         auto & h = history_[r.seq_id];
         h.resize(static_cast<size_t>(r.n_past));
         results_[r.seq_id].clear();
-        if (n_max <= 0) continue;
+        if (n_max <= 0 || !in_sync_[r.seq_id]) continue;  // (out of sync: no drafts, no error)
         common_speculative_get_draft_params(spec_, r.seq_id) = {
             /* .drafting = */ true,
             /* .n_max    = */ n_max,
@@ -605,6 +660,8 @@ void SpecSession::keep_prefix(int32_t seq_id, const std::vector<llama_token> & p
 }
 
 void SpecSession::clear_sequence(int32_t seq_id) {
+    check_seq(seq_id);
+    in_sync_[seq_id] = true;  // (nothing of an empty sequence was missed)
     clear_target_kv(seq_id, -1, -1);
     if (draft_) clear_draft_kv(seq_id, -1, -1);
 }

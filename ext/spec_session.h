@@ -44,6 +44,14 @@ uint32_t spec_config_digest(const SpecConfig & config);
 bool spec_type_needs_draft_model(const std::string & type);  // draft-simple / eagle3 / dflash / dspark
 bool spec_type_is_mtp(const std::string & type);
 
+// How a drafter keeps up with what the target decodes (see SpecSession::sync).
+enum class DrafterSync {
+    None,     // n-gram drafters (and none): they read the token history, nothing to decode
+    CatchUp,  // a draft model: it decodes the history it has not seen right before it drafts
+    Stream,   // hidden-state drafters (EAGLE-3, DFlash, MTP): they read the target's hidden
+              // states of each batch as it is decoded; a batch they skip is lost to them
+};
+
 struct DraftRequest {
     int32_t seq_id;
     int32_t n_past;
@@ -80,6 +88,20 @@ public:
 
     void decode_target(const BatchData & batch);
     void process(const BatchData & batch);
+    DrafterSync drafter_sync() const { return sync_kind_; }
+    // The engine step's process(): the batch just decoded on the target goes into the
+    // history, and the drafter keeps up only as far as it must. A catch-up drafter decodes
+    // nothing now (catch_up does, for the sequences that draft). A stream drafter processes
+    // the batch when `stream` is set; otherwise every sequence in it is out of sync from now
+    // on (it drafts nothing until the sequence is cleared). Returns the rows the drafter
+    // decoded.
+    int32_t sync(const BatchData & batch, bool stream);
+    // A catch-up drafter decodes the history it has not seen of each requested sequence, up
+    // to its n_past, in batches of the draft context's n_batch. Returns the tokens decoded.
+    int32_t catch_up(const std::vector<DraftRequest> & requests);
+    // Whether the drafter can draft for the sequence (a stream drafter that missed a batch of
+    // it cannot).
+    bool in_sync(int32_t seq_id) const { return in_sync_.at(seq_id); }
     void begin(int32_t seq_id, const std::vector<llama_token> & prompt);
     std::vector<llama_token> draft(int32_t seq_id, int32_t n_past, llama_token id_last);
     // Throws what draft_many would throw for this request alone (bad id, pending, n_past).
@@ -126,6 +148,7 @@ public:
 
 private:
     bool upstream_quiescent() const;
+    void process_checks(const BatchData & batch);  // validate, record the history
     void validate_contexts();
     void record_history(const BatchData & batch);
     std::vector<uint8_t> spec_container(int32_t seq_id, bool require_payload);
@@ -144,6 +167,8 @@ private:
     std::vector<int32_t> pending_;                 // -1: no proposal pending
     std::vector<std::vector<llama_token>> history_;
     std::vector<std::vector<llama_token>> results_;  // upstream writes drafts here
+    DrafterSync sync_kind_ = DrafterSync::None;
+    std::vector<bool> in_sync_;  // per sequence (a stream drafter that skipped a batch: false)
     SpecStats stats_;
     bool need_embd_ = false, need_embd_pre_norm_ = false;
 };

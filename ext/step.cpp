@@ -231,7 +231,15 @@ void StepRunner::draft(State & st) {
         ++it;
     }
     if (requests.empty()) return;
+    const int64_t t_c = now_us();
+    try {
+        st.result.n_sync_tokens += s.catch_up(requests);
+    } catch (const std::exception & e) {
+        st.result.draft_error = e.what();
+        return;  // (the step goes on without drafts)
+    }
     const int64_t t0 = now_us();
+    st.result.t_catch_up_us += t0 - t_c;
     try {
         std::vector<std::vector<llama_token>> got = s.draft_many(requests);
         for (size_t i = 0; i < requests.size(); ++i) st.drafts[requests[i].seq_id] = std::move(got[i]);
@@ -365,7 +373,7 @@ bool StepRunner::decode_and_verify(State & st, const std::vector<const StepWork 
     try {
         s.decode_target(batch);
         const int64_t t_p = now_us();
-        s.process(batch);
+        st.result.n_sync_tokens += s.sync(batch, st.plan.sync_drafter);
         st.result.t_process_us += now_us() - t_p;
     } catch (const std::exception & e) {
         st.result.t_decode_us += now_us() - t0;
@@ -399,6 +407,7 @@ bool StepRunner::decode_and_verify(State & st, const std::vector<const StepWork 
         out.produced = st.produced[w.seq];
         out.accepted = static_cast<int32_t>(out.tokens.size()) - 1;
         out.pos = w.pos0 + n_tok;
+        out.in_sync = s.in_sync(w.seq);
         unsettled_[w.seq] = Unsettled{w.pos0 + n_tok - 1, out.accepted, w.begin};
         st.result.outputs.push_back(std::move(out));
     }

@@ -69,6 +69,9 @@ struct StepPlan {
     // token again) up to the next multiple: free rows, sometimes accepted.
     int32_t output_align = 1;
     int32_t align_from = 0;
+    // A stream drafter (EAGLE-3, DFlash, MTP) reads this step's batch: off when keeping it in
+    // sync costs more than its drafts bring (every sequence in the batch falls out of sync)
+    bool sync_drafter = true;
     std::vector<StepSettle> settles;  // sequences not named keep every verified token
     std::vector<int32_t> captures;    // taken at the quiescent boundary
     std::vector<int32_t> clears;      // KV (target + draft), history and sampler of a slot
@@ -89,6 +92,7 @@ struct StepOutput {
     int32_t produced = 0;             // drafts the drafter produced (before any trim)
     int32_t accepted = 0;             // drafts verification accepted (tokens.size() - 1)
     int32_t pos = 0;                  // position of the first token of `tokens`
+    bool in_sync = true;              // the drafter can draft for the sequence (see sync_drafter)
     std::vector<TokenLogprobs> logprobs;  // per token, when its request asked for them
 };
 
@@ -114,6 +118,8 @@ struct StepResult {
     std::string draft_error;          // the draft call failed: this step verified no drafts
     int64_t t_draft_us = 0, t_decode_us = 0, t_verify_us = 0, t_total_us = 0;
     int64_t t_process_us = 0;  // the drafter's share of t_decode_us (its own pass over the batch)
+    int64_t t_catch_up_us = 0;  // a draft model decoding the history it skipped (not in t_draft_us)
+    int32_t n_sync_tokens = 0;  // rows the drafter decoded to keep up (processed or caught up)
 };
 
 class StepRunner {

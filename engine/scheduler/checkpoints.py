@@ -23,6 +23,7 @@ def pack_request(fingerprint: dict[str, Any], sections: dict[str, bytes], reques
         "last": request.last,
         "n_prompt": request.n_prompt_history,
         "request_id": request.request_id,
+        "drafter_in_sync": request.drafter_in_sync,
     }
     return pack(SequenceCheckpoint(fingerprint, sections, meta))
 
@@ -37,7 +38,10 @@ def unpack_resume(data: bytes, fingerprint: dict[str, Any], with_draft: bool) ->
         meta = ck.meta
         history = [int(t) for t in meta["history"]]
         last, n_prompt = int(meta["last"]), int(meta["n_prompt"])
+        in_sync = meta.get("drafter_in_sync", True)
+        if not isinstance(in_sync, bool):
+            raise TypeError
     except (KeyError, TypeError, ValueError):
         raise StateError("invalid checkpoint: missing sequence metadata", reason="meta") from None
     s = ck.sections
-    return Resume(s["target"], s.get("draft", b""), s["spec"], history, last, n_prompt)
+    return Resume(s["target"], s.get("draft", b""), s["spec"], history, last, n_prompt, in_sync)

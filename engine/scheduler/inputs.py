@@ -67,6 +67,7 @@ class InputProcessor:
         if resume is not None:
             r.history = list(resume.history)
             r.n_prompt_history = resume.n_prompt
+            r.drafter_in_sync = resume.drafter_in_sync
         r.to_prefill = list(tokens)
         r.metrics.prompt_tokens = len(tokens) - (1 if resume else 0)
         return r

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from .. import _nb_spec
-from .policy import Drafting, DraftPolicy
+from .policy import DrafterSync, Drafting, DraftPolicy
 from .prefix import PrefixCache
 from .request import Request, RequestState
 
@@ -116,6 +116,7 @@ class WorkItem:
     n_draft: int  #: drafts it may verify this step
     begin: bool  #: the prompt's last chunk: the drafter begins its generation
     max_draft: int = 0  #: draft rows it could take (fillers that align the batch included)
+    probe: bool = False  #: it drafts only to see whether its drafts are right again
 
 
 @dataclass
@@ -135,6 +136,7 @@ class Plan:
     drops: list[int] = field(default_factory=list)
     admitted: list[Request] = field(default_factory=list)
     work: list[WorkItem] = field(default_factory=list)
+    sync_drafter: bool = True  #: a stream drafter reads this step's batch (see DrafterGate)
 
     @property
     def empty(self) -> bool:
@@ -161,6 +163,7 @@ class Plan:
         p = _nb_spec.StepPlan()
         p.output_align = output_align
         p.align_from = align_from
+        p.sync_drafter = self.sync_drafter
         for slot, n_accepted in self.settles:
             p.settle(slot, n_accepted)
         for r in self.captures:
@@ -231,11 +234,15 @@ def plan_step(
     ks = caps = [0] * n_dec
     if speculative and n_dec:
         probe = step // policy.probe_every % n_dec if step % policy.probe_every == 0 else -1
+        catch_up = policy.sync is DrafterSync.CATCH_UP
         seqs = [
             Drafting(
                 r.draft_stats,
-                max(0, min(n_draft_max, n_ctx - r.n_past - 2, r.params.max_tokens - len(r.output_ids) - 1)),
+                max(0, min(n_draft_max, n_ctx - r.n_past - 2, r.params.max_tokens - len(r.output_ids) - 1))
+                if r.drafter_in_sync
+                else 0,
                 probe=i == probe,
+                lag=r.n_past - r.drafter_upto if catch_up else 0,
             )
             for i, r in enumerate(decoding)
         ]
@@ -247,8 +254,8 @@ def plan_step(
         while sum(ks) > room:  # shorten the longest drafts first
             ks[max(range(n_dec), key=lambda i: ks[i])] -= 1
     work = [
-        WorkItem(r, [r.last], r.n_past, True, k, False, cap)  # type: ignore[list-item]
-        for r, k, cap in zip(decoding, ks, caps, strict=True)
+        WorkItem(r, [r.last], r.n_past, True, k, False, cap, probe=speculative and i == policy.probed)  # type: ignore[list-item]
+        for i, (r, k, cap) in enumerate(zip(decoding, ks, caps, strict=True))
     ]
     budget = n_batch - n_dec - sum(ks)
     for r in prefilling:

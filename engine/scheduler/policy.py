@@ -22,8 +22,15 @@ where
 
 Drafting nothing for the whole batch is one of the choices: when drafts cannot pay for
 their rows, a step costs exactly what it costs without speculation. A request whose
-drafts stopped paying still probes with one token now and then, so it drafts again when
-its acceptance rises.
+drafts stopped paying still probes with one token now and then (when a right draft could
+pay at all), so it drafts again when its acceptance rises.
+
+A drafter with a model of its own must also keep up with what the target decodes, and on
+a small target that costs as much as the target itself. How depends on the drafter
+(:class:`DrafterSync`): a draft model catches up lazily, decoding the history it skipped
+right before it drafts, so a step that drafts nothing pays nothing; a hidden-state drafter
+(EAGLE-3, DFlash, MTP) must read every batch as it is decoded, so :class:`DrafterGate`
+stops feeding it when its drafts do not pay for that, and tries again later.
 
 With per-sequence KV streams (``kv_unified=False``) llama.cpp decodes a step in one pass
 only when every sequence has the same number of rows: there the policy chooses one draft
@@ -33,11 +40,28 @@ length for every decoding sequence (and the step trims every draft to the shorte
 from __future__ import annotations
 
 import bisect
+import enum
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["DraftPolicy", "DraftStats", "StepCost"]
+__all__ = ["DraftPolicy", "DraftStats", "DrafterGate", "DrafterSync", "StepCost"]
+
+
+class DrafterSync(enum.Enum):
+    """How a drafter keeps up with what the target decodes (the extension's ``sync``)."""
+
+    NONE = "none"  #: n-gram drafters read the token history: nothing to decode
+    CATCH_UP = "catch_up"  #: a draft model decodes the history it skipped when it drafts
+    STREAM = "stream"  #: hidden-state drafters read every batch; one skipped is lost to them
+
+    @classmethod
+    def of(cls, spec_type: str) -> DrafterSync:
+        if spec_type == "draft-simple":
+            return cls.CATCH_UP
+        if spec_type.startswith("draft-"):
+            return cls.STREAM
+        return cls.NONE
 
 
 @dataclass
@@ -133,6 +157,9 @@ class StepCost:
     #: a draft call's seconds per drafted position (draft passes are sequential), against
     #: the sequences drafting: a least-squares line over recent calls
     draft_fit: _Line = field(default_factory=lambda: _Line(decay=0.98))
+    #: the drafter keeping up (a stream drafter's pass over a batch, a draft model's
+    #: catch-up): seconds against the rows it decodes, a least-squares line
+    sync_fit: _Line = field(default_factory=lambda: _Line(decay=0.98))
     learning_rate: float = 0.05
 
     @property
@@ -216,6 +243,13 @@ class StepCost:
         if k > 0 and n > 0 and seconds >= 0:
             self.draft_fit.add(n, seconds / k)
 
+    def sync(self, rows: float) -> float:
+        return max(self.sync_fit(rows), 0.0) if rows > 0 else 0.0
+
+    def observe_sync(self, rows: int, seconds: float) -> None:
+        if rows > 0 and seconds >= 0:
+            self.sync_fit.add(rows, seconds)
+
 
 @dataclass
 class Drafting:
@@ -224,6 +258,27 @@ class Drafting:
     stats: DraftStats  #: the request's own
     max_k: int  #: most drafts it may verify this step (context, max_tokens, batch room)
     probe: bool = False  #: draft one token even when it does not pay (its stats are stale)
+    lag: int = 0  #: tokens a catching-up draft model decodes before it drafts for it
+
+
+@dataclass
+class DrafterGate:
+    """Whether a stream drafter reads this step's batch (:attr:`DrafterSync.STREAM`).
+
+    Open, every step weighs the policy's choice with the drafter's pass over the batch
+    against a step without drafter; after ``patience`` steps in a row that lose, the gate
+    closes (every sequence in a skipped batch drafts no more) and opens again
+    ``backoff`` steps later for the requests that start then, the wait doubling each time
+    it closes again soon. A batch with no sequence in sync is never fed."""
+
+    patience: int = 8
+    base_backoff: int = 256
+    max_backoff: int = 16384
+    open: bool = True
+    strikes: int = 0
+    paid: int = 0  #: steps in a row that paid
+    backoff: int = 256
+    retry_at: int = 0
 
 
 @dataclass
@@ -238,7 +293,17 @@ class DraftPolicy:
     #: drafts must beat drafting nothing by this much (the cost model is ~10 % accurate step
     #: to step: in the marginal region a guess is a coin toss, and a loss is what we avoid)
     margin: float = 0.05
+    #: steps between probes; doubles (up to ``max_probe_every``) with each probe rejected
     probe_every: int = 32
+    base_probe_every: int = 32
+    max_probe_every: int = 1024
+    sync: DrafterSync = DrafterSync.NONE
+    gate: DrafterGate = field(default_factory=DrafterGate)
+    #: the last choice of :meth:`lengths`: (expected accepted, expected draft rows, longest
+    #: draft, sequences drafting, catch-up tokens)
+    chosen: tuple[float, float, int, int, int] = (0.0, 0.0, 0, 0, 0)
+    probed: int | None = None  #: the sequence :meth:`lengths` made probe, by index
+    k_cap: int = 0  #: the longest draft a sequence was allowed so far
 
     def prior(self, m: int) -> tuple[float, float]:
         """Engine-wide rates at position m (optimistic before anything was measured)."""
@@ -246,10 +311,14 @@ class DraftPolicy:
 
     def lengths(self, seqs: Sequence[Drafting]) -> list[int]:
         """Draft lengths for the decoding sequences of one step."""
+        self.chosen, self.probed = (0.0, 0.0, 0, 0, 0), None
         if not seqs:
             return []
+        self.k_cap = max(self.k_cap, *(s.max_k for s in seqs))
         if not self.adaptive:
             return [s.max_k for s in seqs]
+        if self.sync is DrafterSync.STREAM and not self.gate.open:
+            return [0] * len(seqs)
         priors = [self.prior(m) for m in range(1, max(s.max_k for s in seqs) + 1)]
 
         def rates(s: Drafting, m: int) -> tuple[float, float]:
@@ -259,15 +328,85 @@ class DraftPolicy:
             ks = self._uniform(seqs, rates)
         else:
             ks = self._best(seqs, [[rates(s, m) for m in range(1, s.max_k + 1)] for s in seqs])
-        return [
-            max(k, 1 if s.probe and s.max_k > 0 and not self.uniform else 0)
-            for k, s in zip(ks, seqs, strict=True)
-        ]
+        if self.uniform:
+            return ks
+        n = len(seqs)
+        for i, (k, s) in enumerate(zip(ks, seqs, strict=True)):
+            if s.probe and s.max_k > 0 and k == 0 and self._could_pay(n, s):
+                ks[i], self.probed = 1, i
+        return ks
 
-    def _value(self, gain: float, rows: float, k_max: int, n_drafting: int, n: int) -> float:
+    def observe_probe(self, accepted: bool) -> None:
+        """A probe's outcome: a rejected one waits twice as long for the next."""
+        self.probe_every = (
+            self.base_probe_every if accepted else min(2 * self.probe_every, self.max_probe_every)
+        )
+
+    def _sync_cost(self, n: int, rows: float, lag: int) -> float:
+        if self.sync is DrafterSync.STREAM:
+            return self.cost.sync(n + rows)  # (paid while the gate is open, drafts or not)
+        if self.sync is DrafterSync.CATCH_UP:
+            return self.cost.sync(lag)
+        return 0.0
+
+    def _value(self, gain: float, rows: float, k_max: int, n_drafting: int, n: int, lag: int = 0) -> float:
         # (a prompt chunk in the same step costs the same with or without drafts, and its
         # work is worth as much: it is left out, or it would make drafts look cheap)
-        return (n + gain) / (self.cost.target(n + rows) + self.cost.draft(k_max, n_drafting))
+        cost = self.cost
+        return (n + gain) / (
+            cost.target(n + rows) + cost.draft(k_max, n_drafting) + self._sync_cost(n, rows, lag)
+        )
+
+    def _could_pay(self, n: int, s: Drafting) -> bool:
+        """Whether drafts for ``s`` alone, every one of them right, would beat none: a probe
+        that could never pay is not made."""
+        none = self._value(0.0, 0.0, 0, 0, n)
+        return any(self._value(k, k, k, 1, n, s.lag) > none for k in range(1, s.max_k + 1))
+
+    def _drafter_could_pay(self, n: int) -> bool:
+        """Whether ``n`` decoding sequences, all drafting the same length and every draft
+        right, would beat the same step without a drafter (its pass over the batch included)."""
+        cost = self.cost
+        none = n / cost.target(n)
+        return any(
+            n * (1 + k) / (cost.target(n * (1 + k)) + cost.draft(k, n) + cost.sync(n * (1 + k))) > none
+            for k in range(1, self.k_cap + 1)
+        )
+
+    def sync_step(self, step: int, n: int, prompt: int, any_in_sync: bool, drafting_in_sync: bool) -> bool:
+        """Whether this step's batch goes to a stream drafter (always, for the others),
+        after :meth:`lengths` chose the step's drafts: ``n`` decoding sequences, ``prompt``
+        prompt tokens; ``any_in_sync``: a sequence in the batch (decoding or reading its
+        prompt) can still draft; ``drafting_in_sync``: a decoding one can."""
+        if self.sync is not DrafterSync.STREAM or not self.adaptive:
+            return True
+        g = self.gate
+        if not g.open:
+            if step < g.retry_at:
+                return False
+            if not self._drafter_could_pay(max(n, 1)):  # (not even with every draft right)
+                g.retry_at = step + g.backoff
+                return False
+            g.open, g.strikes, g.paid = True, 0, 0  # (the requests that start now sync)
+        if not any_in_sync:
+            return False  # (nothing in it can draft: skipping it costs nothing)
+        if n and drafting_in_sync:
+            gain, rows, k_max, n_drafting, _ = self.chosen
+            cost = self.cost
+            with_drafter = (n + gain) / (
+                cost.target(n + rows, prompt) + cost.draft(k_max, n_drafting) + cost.sync(n + rows + prompt)
+            )
+            if with_drafter >= n / cost.target(n, prompt):
+                g.strikes, g.paid = 0, g.paid + 1
+                if g.paid >= g.patience:
+                    g.backoff = g.base_backoff
+            else:
+                g.strikes, g.paid = g.strikes + 1, 0
+                if g.strikes >= g.patience:
+                    g.open, g.retry_at = False, step + g.backoff
+                    g.backoff = min(2 * g.backoff, g.max_backoff)
+                    return False
+        return True
 
     def _best(self, seqs: Sequence[Drafting], rates: list[list[tuple[float, float]]]) -> list[int]:
         # candidates (sequence, position), the best expected accepted token first; a
@@ -283,7 +422,7 @@ class DraftPolicy:
         ks = [0] * n
         best_ks, best = list(ks), self._value(0.0, 0.0, 0, 0, n) * (1.0 + self.margin)
         gain = rows = 0.0
-        k_max = n_drafting = 0
+        k_max = n_drafting = lag = 0
         for _, neg_m, i in cands:
             m = -neg_m
             ks[i] = m
@@ -291,10 +430,13 @@ class DraftPolicy:
             gain += acc
             rows += prod
             k_max = max(k_max, m)
-            n_drafting += m == 1
-            value = self._value(gain, rows, k_max, n_drafting, n)
+            if m == 1:
+                n_drafting += 1
+                lag += seqs[i].lag
+            value = self._value(gain, rows, k_max, n_drafting, n, lag)
             if value > best:
                 best, best_ks = value, list(ks)
+                self.chosen = (gain, rows, k_max, n_drafting, lag)
         return best_ks
 
     def _uniform(
@@ -305,6 +447,7 @@ class DraftPolicy:
         n, k_cap = len(seqs), min(s.max_k for s in seqs)
         best_k, best = 0, self._value(0.0, 0.0, 0, 0, n) * (1.0 + self.margin)
         gain = rows = 0.0
+        lag = sum(s.lag for s in seqs)
         for m in range(1, k_cap + 1):  # (positions computed as needed: 64 sequences x 16 add up)
             at_m = [rates(s, m) for s in seqs]
             produced = [max(p, 1e-9) for p, _ in at_m]
@@ -313,9 +456,10 @@ class DraftPolicy:
                 break  # (later positions add nothing but draft time)
             gain += sum(acc * every / p for (_, acc), p in zip(at_m, produced, strict=True))
             rows += n * every
-            value = self._value(gain, rows, m, n, n)
+            value = self._value(gain, rows, m, n, n, lag)
             if value > best:
                 best, best_k = value, m
+                self.chosen = (gain, rows, m, n, lag)
         return [best_k] * n
 
     # --- learning ----------------------------------------------------------------------
@@ -330,6 +474,10 @@ class DraftPolicy:
     ) -> None:
         self.cost.observe(rows, prompt, t_decode_s)
         self.cost.observe_draft(k_max, n_drafting, t_draft_s)
+
+    def observe_sync(self, rows: int, seconds: float) -> None:
+        """The drafter keeping up in one step: ``rows`` decoded in ``seconds``."""
+        self.cost.observe_sync(rows, seconds)
 
     def observe_verification(self, stats: DraftStats, requested: int, produced: int, accepted: int) -> None:
         stats.record(requested, produced, accepted)

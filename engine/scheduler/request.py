@@ -128,6 +128,7 @@ class Resume:
     history: list[int]  #: tokens in its KV cache
     last: int  #: its last sampled token (not in the KV cache)
     n_prompt: int  #: how many of ``history`` count as prompt
+    drafter_in_sync: bool = True  #: its drafter's state was whole when it was captured
 
 
 class CheckpointWaiter:
@@ -187,6 +188,11 @@ class Request:
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     #: its drafts by position, recent verifications weighing more (the draft policy reads it)
     draft_stats: DraftStats = field(default_factory=lambda: DraftStats(decay=0.95))
+    #: a stream drafter (EAGLE-3, DFlash, MTP) saw every batch of its sequence; once it
+    #: skipped one (see ``DrafterGate``) the request drafts no more
+    drafter_in_sync: bool = True
+    #: a draft model has decoded its sequence up to here (it catches up when it drafts)
+    drafter_upto: int = 0
     finish_reason: str | None = None
     error: BaseException | None = None
     final_checkpoint: bytes | None = None

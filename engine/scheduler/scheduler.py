@@ -22,7 +22,7 @@ from .errors import QueueFullError, RequestError
 from .output import FinishReason, StopRules, process_output
 from .params import EngineConfig
 from .planner import Plan, SlotTable, WaitQueue, WorkItem, plan_step
-from .policy import DraftPolicy
+from .policy import DrafterSync, DraftPolicy
 from .request import Delta, Request, RequestMetrics, RequestState, Resume
 
 __all__ = ["EngineMetrics", "Scheduler"]
@@ -112,7 +112,11 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.slots = SlotTable(config.n_seq, prefix_cache=prefix_cache)
         self.waiting = WaitQueue()
-        self.policy = DraftPolicy(adaptive=config.draft_policy == "adaptive", uniform=not config.unified_kv)
+        self.policy = DraftPolicy(
+            adaptive=config.draft_policy == "adaptive",
+            uniform=not config.unified_kv,
+            sync=DrafterSync.of(config.spec.type),
+        )
         self._eog = tuple(eog_tokens)
         self._settles: dict[int, int] = {}  # slot -> drafts kept, settled at the next boundary
         self._to_clear: list[int] = []  # slots given back, cleared at the next boundary
@@ -226,6 +230,14 @@ class Scheduler:
             speculative=spec.type != "none",
             policy=self.policy,
             step=self.metrics.steps,
+        )
+        decoding = [w for w in plan.work if w.request.state is RequestState.DECODE]
+        plan.sync_drafter = self.policy.sync_step(
+            self.metrics.steps,
+            len(decoding),
+            sum(len(w.tokens) for w in plan.work) - len(decoding),
+            any(w.request.drafter_in_sync for w in plan.work),
+            any(w.request.drafter_in_sync for w in decoding),
         )
         # taken last: a planning fault leaves them for the next plan
         plan.settles = sorted(self._settles.items())
@@ -379,12 +391,17 @@ class Scheduler:
             r.state = RequestState.DECODE
             if not r.restored:
                 r.n_prompt_history = len(r.history)
+        r.drafter_in_sync = r.drafter_in_sync and out.in_sync
+        if w.n_draft > 0:
+            r.drafter_upto = w.pos0  # (a draft model caught up to here before it drafted)
         outcome = process_output(r, out, StopRules.of(r.params, self._eog, self.config.n_ctx))
         if outcome.keep < len(out.tokens):
             assert r.slot is not None
             self._settles[r.slot] = outcome.keep - 1  # a stop inside accepted drafts
             self.metrics.cut_tokens += len(out.tokens) - outcome.keep
         kept_drafts = outcome.keep - 1
+        if w.probe and out.drafted:
+            self.policy.observe_probe(out.accepted > 0)
         if out.drafted < out.produced:  # the step dropped a partial tile: later positions unseen
             self.policy.observe_verification(r.draft_stats, out.drafted, out.drafted, out.accepted)
         else:  # (fillers past what the drafter produced may be accepted too: not its merit)
@@ -439,11 +456,12 @@ class Scheduler:
             self.policy.observe_step(
                 rows,
                 result.n_batch_tokens - rows,
-                result.t_decode_us / 1e6,
+                (result.t_decode_us - result.t_process_us) / 1e6,
                 max(produced, default=0),
                 len(produced),
                 result.t_draft_us / 1e6,
             )
+            self.policy.observe_sync(result.n_sync_tokens, (result.t_process_us + result.t_catch_up_us) / 1e6)
         m.batch_tokens += result.n_batch_tokens
         m.step_seconds += result.t_total_us / 1e6
         if result.draft_error:
