@@ -359,6 +359,22 @@ Context::HiddenStates Context::hidden_states() const {
     return h;
 }
 
+Context::PreNorm Context::pre_norm_extraction() const {
+    const llama_cparams & cp = ctx_->get_cparams();
+    PreNorm p;
+    for (size_t l = 0; l < cp.embeddings_layer_inp.size(); ++l) {
+        if (cp.embeddings_layer_inp[l]) p.layers.push_back(static_cast<uint32_t>(l));
+    }
+    p.nextn = cp.embeddings_nextn;
+    p.nextn_masked = cp.embeddings_nextn_masked;
+    return p;
+}
+
+void Context::set_pre_norm_extraction(const PreNorm & which, bool on) {
+    for (uint32_t l : which.layers) llama_set_embeddings_layer_inp(ctx_, l, on);
+    if (which.nextn) llama_set_embeddings_nextn(ctx_, on, which.nextn_masked);
+}
+
 bool Context::kv_remove(int64_t seq_id, int64_t p0, int64_t p1) {
     if (seq_id < -1 || seq_id >= params_.n_seq) {
         fail_bad_seq(seq_id, params_.n_seq);

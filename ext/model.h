@@ -135,6 +135,15 @@ public:
     };
     HiddenStates hidden_states() const;
     const HiddenStates & hidden_states_at_creation() const { return created_hidden_; }
+    // The pre-norm hidden states extracted now (layer inputs by layer, the NextN state), to
+    // switch them off while nobody reads them and back on (llama.cpp copies them out of
+    // every decoded token).
+    struct PreNorm {
+        std::vector<uint32_t> layers;
+        bool nextn = false, nextn_masked = false;
+    };
+    PreNorm pre_norm_extraction() const;
+    void set_pre_norm_extraction(const PreNorm & which, bool on);
 
     bool kv_remove(int64_t seq_id, int64_t p0, int64_t p1);
     int64_t seq_pos_min(int32_t seq_id) const;

@@ -154,6 +154,13 @@ SpecSession::SpecSession(std::shared_ptr<Context> target, std::shared_ptr<Contex
     const Context::HiddenStates after = target_->hidden_states();
     need_embd_ = after.post_norm && !before.post_norm;
     need_embd_pre_norm_ = after.pre_norm && !before.pre_norm;
+    if (sync_kind_ == DrafterSync::Stream && need_embd_pre_norm_) streamed_ = target_->pre_norm_extraction();
+}
+
+void SpecSession::set_streaming(bool on) {
+    if (sync_kind_ != DrafterSync::Stream || on == streaming_) return;
+    target_->set_pre_norm_extraction(streamed_, on);
+    streaming_ = on;
 }
 
 SpecSession::~SpecSession() {
@@ -305,6 +312,9 @@ void SpecSession::process_checks(const BatchData & batch) {
 void SpecSession::process(const BatchData & batch) {
     process_checks(batch);
     if (spec_ == nullptr) return;
+    if (!streaming_) {  // (upstream would abort on the missing hidden states)
+        fail(ErrorKind::Process, "the target did not extract the drafter's hidden states for this batch");
+    }
     const int64_t t0 = now_us();
     bool ok = false;
     try {
@@ -319,6 +329,15 @@ void SpecSession::process(const BatchData & batch) {
 
 int32_t SpecSession::sync(const BatchData & batch, bool stream) {
     if (sync_kind_ == DrafterSync::Stream && stream) {
+        // the rows of a sequence out of sync land after a gap, which llama.cpp refuses in
+        // the draft's own KV cache: what it holds of the sequence is dropped first (it never
+        // drafts again; its cache is junk until the sequence is cleared)
+        llama_memory_t mem = llama_get_memory(draft_->get());
+        if (mem != llama_get_memory(target_->get())) {
+            for (int32_t s : batch.seq) {
+                if (s >= 0 && s < static_cast<int32_t>(config_.n_seq) && !in_sync_[s]) llama_memory_seq_rm(mem, s, -1, -1);
+            }
+        }
         process(batch);
         return static_cast<int32_t>(batch.size());
     }

@@ -102,6 +102,9 @@ public:
     // Whether the drafter can draft for the sequence (a stream drafter that missed a batch of
     // it cannot).
     bool in_sync(int32_t seq_id) const { return in_sync_.at(seq_id); }
+    // A stream drafter's hidden states are extracted from the target's decodes only while it
+    // is fed (sync with `stream`): the step switches them before its decode.
+    void set_streaming(bool on);
     void begin(int32_t seq_id, const std::vector<llama_token> & prompt);
     std::vector<llama_token> draft(int32_t seq_id, int32_t n_past, llama_token id_last);
     // Throws what draft_many would throw for this request alone (bad id, pending, n_past).
@@ -169,6 +172,8 @@ private:
     std::vector<std::vector<llama_token>> results_;  // upstream writes drafts here
     DrafterSync sync_kind_ = DrafterSync::None;
     std::vector<bool> in_sync_;  // per sequence (a stream drafter that skipped a batch: false)
+    Context::PreNorm streamed_;  // the target's hidden states a stream drafter reads
+    bool streaming_ = true;
     SpecStats stats_;
     bool need_embd_ = false, need_embd_pre_norm_ = false;
 };

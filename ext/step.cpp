@@ -318,6 +318,7 @@ void StepRunner::align_rows(State & st) {
 // --- ONE target batch (split by n_batch only when it must be), then verification --------
 void StepRunner::decode(State & st) {
     SpecSession & s = *session_;
+    if (!st.work.empty()) s.set_streaming(st.plan.sync_drafter);
     const uint32_t n_batch = s.target()->params().n_batch;
     auto rows = [&](const StepWork * w) { return w->tokens.size() + st.drafts[w->seq].size(); };
     auto fail_item = [&](const StepWork * w, const Error & why) {

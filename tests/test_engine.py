@@ -19,7 +19,7 @@ from engine import (
     SamplingParams,
     SpeculativeConfig,
 )
-from engine.scheduler.policy import StepCost
+from engine.scheduler.policy import Drafting, StepCost
 from engine.session import InvalidArgumentError, InvalidConfigError, PromptTooLongError, StateError
 from engine.session.checkpoint import unpack
 from tests.aio import Task, gather
@@ -476,3 +476,74 @@ async def test_drafts_padded_to_a_whole_tile_never_split_the_decode(
         assert engine.metrics.max_decode_calls_per_step == 1, engine.metrics
     assert out_a.token_ids == greedy_plain(tm, *first)
     assert b.token_ids == greedy_plain(tm, *second)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize(
+    ("target", "draft", "spec"),
+    [
+        ("walk-llama", "walk-llama-eagle3", "eagle3"),
+        ("walk-llama", "walk-llama-dflash-oracle", "dflash"),
+        ("walk-qwen35-mtp", None, "mtp"),
+    ],
+    ids=["eagle3", "dflash", "mtp"],
+)
+async def test_a_stream_drafter_skipped_once_drafts_no_more_for_that_sequence(
+    model_paths: dict[str, Path],
+    models: ModelCache,
+    anyio_backend: str,
+    target: str,
+    draft: str | None,
+    spec: str,
+) -> None:
+    """Hidden-state drafters read every batch as it is decoded. While the gate is closed
+    the batches go past them (and the target extracts no hidden states): the running
+    request and a request whose prompt is read then draft no more, and greedy output is
+    unchanged. A request that starts once the gate is open again drafts, beside the one
+    still out of sync, whose rows the drafter now reads too (after a gap in its cache)."""
+    cfg = config(model_paths, target, draft, spec, 2, draft_policy="fixed")
+    tm = models(target, mtp=spec == "mtp")
+    feed = [True]
+    long, short = ([1, 2, 3], 150), (list(range(40, 60)), 12)
+    async with Engine(cfg) as engine, anyio.create_task_group() as tg:
+        engine._scheduler.policy.sync_step = lambda *args: feed[0]  # type: ignore[union-attr,method-assign]
+        a = Task(tg, engine.generate, long[0], SamplingParams(max_tokens=long[1]))
+        await wait_until(lambda: engine.metrics.accepted >= 2)
+        feed[0] = False
+        skipped = engine.metrics.steps
+        await wait_until(lambda: engine.metrics.steps >= skipped + 2)
+        b = await engine.generate(short[0], SamplingParams(max_tokens=short[1]))
+        feed[0] = True
+        c = await engine.generate(short[0][::-1], SamplingParams(max_tokens=short[1]))
+        assert engine._scheduler.requests, "the long request must still run beside the last one"  # type: ignore[union-attr]
+        drafted_a_after = engine.metrics.drafted - b.metrics.drafted - c.metrics.drafted
+        out_a = await a.result()
+    assert out_a.token_ids == greedy_plain(tm, *long)
+    assert b.token_ids == greedy_plain(tm, *short) and b.metrics.drafted == 0
+    assert c.token_ids == greedy_plain(tm, short[0][::-1], short[1]) and c.metrics.accepted > 0
+    assert out_a.metrics.drafted <= drafted_a_after  # nothing drafted for it after the skip
+    assert engine.metrics.max_decode_calls_per_step == 1
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_draft_model_catches_up_on_the_history_it_skipped(
+    model_paths: dict[str, Path], models: ModelCache, anyio_backend: str
+) -> None:
+    """A draft model decodes nothing on steps without drafts; before it drafts again it
+    decodes what it skipped. Self-drafting a random (context-dependent) model, its drafts
+    are right only if it saw the whole history: checked to fail without the catch-up."""
+    cfg = config(model_paths, "llama", "llama", "draft", 2)
+    calls = [0]
+
+    def every_third(seqs: list[Drafting]) -> list[int]:
+        calls[0] += 1
+        return [s.max_k if calls[0] % 3 == 0 else 0 for s in seqs]
+
+    tm = models("llama")
+    requests = [([1, 2, 3, 4, 5], 40), (list(range(300, 340)), 30)]
+    async with Engine(cfg) as engine:
+        engine._scheduler.policy.lengths = every_third  # type: ignore[union-attr,method-assign]
+        outs = await gather(*(engine.generate(p, SamplingParams(max_tokens=n)) for p, n in requests))
+        m = engine.metrics
+    assert [o.token_ids for o in outs] == [greedy_plain(tm, p, n) for p, n in requests]
+    assert m.drafted >= 30 and m.accepted >= 0.9 * m.drafted, m

@@ -94,6 +94,57 @@ class _Line:
 
 
 @dataclass
+class _Fit:
+    """y = w · x by least squares over feature vectors x, each new point weighing 1 / decay
+    times the last, with a small ridge so that features that have not varied yet (the
+    sequences drafting, at one stream) share their weight instead of blowing up."""
+
+    n: int
+    decay: float = 0.95
+    ridge: float = 1e-6
+    _xx: list[list[float]] = field(init=False)
+    _xy: list[float] = field(init=False)
+    _w: list[float] | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self._xx = [[0.0] * self.n for _ in range(self.n)]
+        self._xy = [0.0] * self.n
+
+    def add(self, x: Sequence[float], y: float) -> None:
+        d = self.decay
+        for i in range(self.n):
+            row = self._xx[i]
+            for j in range(self.n):
+                row[j] = row[j] * d + x[i] * x[j]
+            self._xy[i] = self._xy[i] * d + x[i] * y
+        self._w = None
+
+    def __call__(self, x: Sequence[float]) -> float:
+        return sum(w * v for w, v in zip(self.weights(), x, strict=True))
+
+    def weights(self) -> list[float]:
+        if self._w is None:
+            self._w = self._solve()
+        return self._w
+
+    def _solve(self) -> list[float]:
+        n = self.n
+        scale = max((self._xx[i][i] for i in range(n)), default=0.0)
+        if scale <= 0:
+            return [0.0] * n
+        a = [[*self._xx[i], self._xy[i]] for i in range(n)]
+        for i in range(n):
+            a[i][i] += self.ridge * scale
+        for c in range(n):  # (Gauss-Jordan; the matrix is symmetric positive definite)
+            pivot = a[c][c]
+            for r in range(n):
+                if r != c and a[r][c]:
+                    f = a[r][c] / pivot
+                    a[r] = [v - f * p for v, p in zip(a[r], a[c], strict=True)]
+        return [a[i][n] / a[i][i] for i in range(n)]
+
+
+@dataclass
 class DraftStats:
     """Per draft position m = 1, 2, ...: how often a draft was requested there, how often the
     drafter produced a token there, how often the target accepted it. ``decay`` < 1 weighs
@@ -103,12 +154,14 @@ class DraftStats:
     requested: list[float] = field(default_factory=list)
     produced: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
+    version: int = 0  #: counts the verifications recorded
 
     def record(self, requested: int, produced: int, accepted: int) -> None:
         """One verification: ``requested`` draft positions, ``produced`` of them drafted,
         the first ``accepted`` of those accepted."""
         if requested <= 0:
             return
+        self.version += 1
         n = max(requested, len(self.requested))
         for seq in (self.requested, self.produced, self.accepted):
             seq.extend([0.0] * (n - len(seq)))
@@ -154,13 +207,16 @@ class StepCost:
     #: observed ÷ predicted, recent steps weighing more: what the calibration (short
     #: histories, an idle machine) does not see, such as attention over long histories
     scale: float = 1.0
-    #: a draft call's seconds per drafted position (draft passes are sequential), against
-    #: the sequences drafting: a least-squares line over recent calls
-    draft_fit: _Line = field(default_factory=lambda: _Line(decay=0.98))
+    #: a draft call's seconds: a + k * (b + c * n) for k positions (draft passes are
+    #: sequential) and n sequences drafting, by least squares over recent calls (an
+    #: EAGLE-3 head costs mostly per call, a draft model per pass, an n-gram lookup nothing)
+    draft_fit: _Fit = field(default_factory=lambda: _Fit(3))
     #: the drafter keeping up (a stream drafter's pass over a batch, a draft model's
     #: catch-up): seconds against the rows it decodes, a least-squares line
     sync_fit: _Line = field(default_factory=lambda: _Line(decay=0.98))
     learning_rate: float = 0.05
+    #: the curve by rows, as computed (the policy reads it for every candidate of a step)
+    _memo: dict[int, float] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def calibrated(self) -> bool:
@@ -193,6 +249,7 @@ class StepCost:
         self.small = [got[r] if r in got else between(r) for r in range(1, min(max_rows, 8) + 1)]
         self.tiles = [(r, got[r]) for r in (4, 8) if r in got]
         self.tiles += [(r, best_of_two(r)) for r in (16, 32) if r <= max_rows]
+        self._memo.clear()
         chunk = 32
         self.prompt_token = max(0.0, (best_of_two(1, chunk) - self.small[0]) / chunk)
         misaligned = [n for n in range(1, 33) if n % self.align]
@@ -206,6 +263,12 @@ class StepCost:
         return -(-rows // self.align) * self.align
 
     def _curve(self, rows: int) -> float:
+        y = self._memo.get(rows)
+        if y is None:
+            y = self._memo[rows] = self._compute_curve(rows)
+        return y
+
+    def _compute_curve(self, rows: int) -> float:
         if rows <= len(self.small):
             return self.small[max(rows, 1) - 1]
         whole = rows // self.align * self.align
@@ -237,11 +300,11 @@ class StepCost:
             self.scale += self.learning_rate * (ratio - self.scale)
 
     def draft(self, k: int, n: int) -> float:
-        return k * max(self.draft_fit(n), 0.0) if k > 0 and n > 0 else 0.0
+        return max(self.draft_fit((1.0, k, k * n)), 0.0) if k > 0 and n > 0 else 0.0
 
     def observe_draft(self, k: int, n: int, seconds: float) -> None:
         if k > 0 and n > 0 and seconds >= 0:
-            self.draft_fit.add(n, seconds / k)
+            self.draft_fit.add((1.0, k, k * n), seconds)
 
     def sync(self, rows: float) -> float:
         return max(self.sync_fit(rows), 0.0) if rows > 0 else 0.0
@@ -304,6 +367,10 @@ class DraftPolicy:
     chosen: tuple[float, float, int, int, int] = (0.0, 0.0, 0, 0, 0)
     probed: int | None = None  #: the sequence :meth:`lengths` made probe, by index
     k_cap: int = 0  #: the longest draft a sequence was allowed so far
+    #: a choice of no drafts stands while no statistic changed (no draft was verified), for
+    #: up to this many steps: the steps that draft nothing pay for no optimisation
+    recheck_every: int = 8
+    _idle: tuple[tuple[int, ...], int, int] | None = None  #: (stats, versions, steps)
 
     def prior(self, m: int) -> tuple[float, float]:
         """Engine-wide rates at position m (optimistic before anything was measured)."""
@@ -319,22 +386,35 @@ class DraftPolicy:
             return [s.max_k for s in seqs]
         if self.sync is DrafterSync.STREAM and not self.gate.open:
             return [0] * len(seqs)
+        n = len(seqs)
+        ids = tuple(id(s.stats) for s in seqs)
+        versions = sum(s.stats.version for s in seqs) + self.engine.version
+        if (
+            self._idle is not None
+            and self._idle[:2] == (ids, versions)
+            and self._idle[2] < self.recheck_every
+        ):
+            self._idle = (ids, versions, self._idle[2] + 1)  # (longer catch-ups, shorter caps: still none)
+            ks = [0] * n
+        else:
+            ks = self._optimise(seqs)
+            self._idle = None if any(ks) else (ids, versions, 1)
+        if self.uniform:
+            return ks
+        for i, (k, s) in enumerate(zip(ks, seqs, strict=True)):
+            if s.probe and s.max_k > 0 and k == 0 and self._could_pay(n, s):
+                ks[i], self.probed = 1, i
+        return ks
+
+    def _optimise(self, seqs: Sequence[Drafting]) -> list[int]:
         priors = [self.prior(m) for m in range(1, max(s.max_k for s in seqs) + 1)]
 
         def rates(s: Drafting, m: int) -> tuple[float, float]:
             return s.stats.rates(m, priors[m - 1], self.prior_weight)
 
         if self.uniform:
-            ks = self._uniform(seqs, rates)
-        else:
-            ks = self._best(seqs, [[rates(s, m) for m in range(1, s.max_k + 1)] for s in seqs])
-        if self.uniform:
-            return ks
-        n = len(seqs)
-        for i, (k, s) in enumerate(zip(ks, seqs, strict=True)):
-            if s.probe and s.max_k > 0 and k == 0 and self._could_pay(n, s):
-                ks[i], self.probed = 1, i
-        return ks
+            return self._uniform(seqs, rates)
+        return self._best(seqs, [[rates(s, m) for m in range(1, s.max_k + 1)] for s in seqs])
 
     def observe_probe(self, accepted: bool) -> None:
         """A probe's outcome: a rejected one waits twice as long for the next."""
@@ -409,35 +489,69 @@ class DraftPolicy:
         return True
 
     def _best(self, seqs: Sequence[Drafting], rates: list[list[tuple[float, float]]]) -> list[int]:
-        # candidates (sequence, position), the best expected accepted token first; a
-        # sequence's positions come in order (ranked by the running minimum of their rates)
+        # candidates (sequence, position), ranked by expected accepted tokens per second of
+        # rows, a sequence's positions in order (the running minimum of their ranks); a
+        # catching-up drafter's first position also pays for the history it decodes first.
+        # The best prefix of that ranking is the choice.
+        n = len(seqs)
+        row = max((self.cost.target(2 * n) - self.cost.target(n)) / n, 1e-9)
         cands = []
         for i, r in enumerate(rates):
-            floor = 1.0
+            floor = math.inf
             for m, (_, acc) in enumerate(r, start=1):
-                floor = min(floor, acc)
+                entry = self._sync_cost(n, 0.0, seqs[i].lag) if m == 1 and seqs[i].lag else 0.0
+                floor = min(floor, acc / (row + entry))
                 cands.append((floor, -m, i))
         cands.sort(reverse=True)
-        n = len(seqs)
-        ks = [0] * n
-        best_ks, best = list(ks), self._value(0.0, 0.0, 0, 0, n) * (1.0 + self.margin)
+        step_cost = self._step_cost(n)
+        best, best_at = n / step_cost(0.0, 0, 0, 0) * (1.0 + self.margin), -1
         gain = rows = 0.0
         k_max = n_drafting = lag = 0
-        for _, neg_m, i in cands:
+        for j, (_, neg_m, i) in enumerate(cands):
             m = -neg_m
-            ks[i] = m
             prod, acc = rates[i][m - 1]
             gain += acc
             rows += prod
-            k_max = max(k_max, m)
+            if m > k_max:
+                k_max = m
             if m == 1:
                 n_drafting += 1
                 lag += seqs[i].lag
-            value = self._value(gain, rows, k_max, n_drafting, n, lag)
+            value = (n + gain) / step_cost(rows, k_max, n_drafting, lag)
             if value > best:
-                best, best_ks = value, list(ks)
+                best, best_at = value, j
                 self.chosen = (gain, rows, k_max, n_drafting, lag)
-        return best_ks
+        ks = [0] * n
+        for _, neg_m, i in cands[: best_at + 1]:
+            ks[i] = -neg_m  # (a sequence's positions come in order)
+        return ks
+
+    def _step_cost(self, n: int) -> Callable[[float, int, int, int], float]:
+        """``cost(rows, k_max, n_drafting, lag)``: :meth:`_value`'s denominator for ``n``
+        decoding sequences, as one closure (the policy calls it for every candidate)."""
+        cost = self.cost
+        if not cost.calibrated:
+            return lambda rows, k_max, n_drafting, lag: (
+                cost.target(n + rows) + cost.draft(k_max, n_drafting) + self._sync_cost(n, rows, lag)
+            )
+        curve, scale = cost._curve, cost.scale
+        w0, w1, w2 = cost.draft_fit.weights()
+        sync_fit, mode = cost.sync_fit, self.sync
+
+        def step_cost(rows: float, k_max: int, n_drafting: int, lag: int) -> float:
+            x = n + rows
+            lo = int(x)
+            y = curve(lo)
+            t = scale * max(y + (curve(lo + 1) - y) * (x - lo), 1e-9)
+            if k_max:
+                t += max(w0 + k_max * (w1 + w2 * n_drafting), 0.0)
+            if mode is DrafterSync.STREAM:
+                t += max(sync_fit(x), 0.0)
+            elif lag and mode is DrafterSync.CATCH_UP:
+                t += max(sync_fit(lag), 0.0)
+            return t
+
+        return step_cost
 
     def _uniform(
         self, seqs: Sequence[Drafting], rates: Callable[[Drafting, int], tuple[float, float]]
