@@ -80,7 +80,7 @@ async def main(args: argparse.Namespace) -> int:
                     r = await run_load(
                         config(paths, target, s, draft, n, args),
                         n,
-                        default_requests(n),
+                        args.requests or default_requests(n),
                         args.max_tokens,
                         prompts,
                     )
@@ -114,7 +114,7 @@ def markdown(report: list[dict[str, object]], args: argparse.Namespace) -> str:
         "# Drafters on the tiny models: speculation on ÷ off",
         "",
         f"`python benchmarks/drafters.py {' '.join(sys.argv[1:])}`: {args.threads} threads, "
-        f"{args.max_tokens} tokens per request, greedy, 4N (at least 8) requests per N, "
+        f"{args.max_tokens} tokens per request, greedy, {args.requests or '4N (at least 8)'} requests per N, "
         f"median of {args.repeats} interleaved repeats [min, max]. The tiny targets decode a step "
         "in 1–4 ms, so every per-step cost of a drafter (its own decode of the batch, the "
         "target's embeddings it reads) weighs as much as the target itself.",
@@ -134,6 +134,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--streams", default="1,4,16")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--requests", type=int, help="requests per N (default 4N, at least 8)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--n-draft", type=int, default=DEFAULT_N_DRAFT)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)

@@ -14,6 +14,7 @@ does every later call. ``close()`` always stops the native thread and returns.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 import uuid
@@ -25,11 +26,21 @@ import anyio.abc
 
 from .. import _nb_spec
 from ..logs import get_logger
-from ..session import Batch, ClosedError, Context, ContextConfig, Model, Runtime, SpeculativeSession
+from ..session import (
+    Batch,
+    ClosedError,
+    Context,
+    ContextConfig,
+    Model,
+    Runtime,
+    SessionError,
+    SpeculativeSession,
+)
 from .errors import EngineDeadError, UnknownRequestError
 from .inputs import InputProcessor, Prompt
 from .params import EngineConfig, SamplingParams, default_model_path
 from .planner import Plan
+from .policy import DrafterSync, StepCost
 from .request import CheckpointWaiter, Delta, Request, RequestOutput
 from .scheduler import EngineMetrics, Scheduler
 
@@ -134,6 +145,8 @@ class Engine:
             policy.cost.calibrate(
                 _target_timer(self._session.target_context, cfg.n_seq, uniform=not cfg.unified_kv), max_rows
             )
+            if policy.sync is not DrafterSync.NONE:
+                _calibrate_drafter(self._session, policy.cost, policy.sync)
 
     async def close(self) -> None:
         """End what is in flight (``abort``), stop the step loop, free the models, join the
@@ -417,6 +430,61 @@ def _target_timer(ctx: Context, n_seq: int, uniform: bool) -> Callable[[int, int
                 ctx.kv_remove(s)
 
     return time_decode
+
+
+def _calibrate_drafter(session: SpeculativeSession, cost: StepCost, sync: DrafterSync) -> None:
+    """What the drafter costs on this machine, before the first request pays to find out:
+    a draft call of one position and of ``n_draft_max`` for one sequence, and what keeping
+    up with a 16-token prompt costs (a stream drafter's pass over it, a draft model's
+    catch-up), each the best of two (the first run of a shape allocates). Sequence 0 is
+    emptied afterwards; a failure only leaves the costs to be learned online."""
+    token, n = 1, 16
+    prompt = [token] * n
+    batch = Batch()
+    batch.add_sequence(prompt, 0, 0, logits="last")
+    k_max = session.n_draft_max
+
+    def timed(call: Callable[[], object]) -> float:
+        t0 = time.perf_counter()
+        call()
+        return time.perf_counter() - t0
+
+    def draft(k: int) -> tuple[float, int]:
+        t0 = time.perf_counter()
+        (got,) = session.draft_many([(0, n, token, k)])
+        seconds = time.perf_counter() - t0
+        if got:
+            session.accept(0, 0)
+        return seconds, len(got)
+
+    rounds = []
+    try:
+        for _ in range(2):
+            session.decode_target(batch)
+            keep_up = timed(lambda: session.process(batch)) if sync is DrafterSync.STREAM else 0.0
+            session.begin(0, prompt)
+            first = draft(1)  # (a draft model catches up on the prompt first)
+            rounds.append((keep_up, first, draft(1), draft(k_max)))
+            session.clear_target_kv_cache_seq(0)
+            if session.draft_context is not None:
+                session.clear_draft_kv_cache_seq(0)
+    except SessionError as e:
+        log.warning("engine.drafter_calibration_failed", error=str(e))
+        with contextlib.suppress(SessionError):
+            if session.pending(0) is not None:
+                session.accept(0, 0)
+            session.clear_target_kv_cache_seq(0)
+            if session.draft_context is not None:
+                session.clear_draft_kv_cache_seq(0)
+        return
+    keep_up = min(r[0] for r in rounds)
+    (t1, k1), (tk, kk) = min(r[2] for r in rounds), min(r[3] for r in rounds)
+    if sync is DrafterSync.CATCH_UP:
+        keep_up = max(min(r[1][0] for r in rounds) - t1, 0.0)
+    cost.observe_sync(n, keep_up)
+    for seconds, k in ((t1, k1), (tk, kk)):
+        cost.observe_draft(k, 1, seconds)  # (k = 0, the drafter drafted nothing: no figure)
+    log.debug("engine.drafter_calibrated", keep_up_s=keep_up, draft_1_s=t1, draft_k_s=tk, k=kk)
 
 
 class RequestStream:
