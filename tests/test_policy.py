@@ -70,6 +70,16 @@ def test_the_cost_model_follows_what_steps_cost() -> None:
     for _ in range(200):
         cost.observe(16, 0, 1.3 * cost._interpolate(16))  # this machine runs 30 % slower now
     assert abs(cost.target(16) / (0.010 + 0.004 * 16) - 1.3) < 0.01
+    # attention over long histories costs more at some batch sizes than at others: each
+    # size keeps its own factor, and prompt-heavy steps move the prompt tokens' instead
+    cost = linear_cost(0.010, 0.004)
+    for _ in range(300):
+        cost.observe(1, 0, 1.0 * cost._interpolate(1))
+        cost.observe(16, 0, 0.8 * cost._interpolate(16))
+        cost.observe(2, 200, cost._interpolate(2) + 200 * 1.5 * cost.prompt_token)
+    assert abs(cost.scale(1) - 1.0) < 0.02 and abs(cost.scale(16) - 0.8) < 0.02
+    assert abs(cost.target(4) / (0.010 + 0.004 * 4) - cost.scale(4)) < 1e-9 and 0.8 < cost.scale(4) < 1.0
+    assert abs(cost.prompt_scale - 1.5) < 0.05
     for _ in range(50):  # a draft model: a pass per position, wider with more sequences
         cost.observe_draft(3, 8, 3 * (0.002 + 0.0005 * 8))
         cost.observe_draft(2, 4, 2 * (0.002 + 0.0005 * 4))

@@ -204,9 +204,14 @@ class StepCost:
     align: int = 1
     align_from: int = 0  #: from this many rows on, padding to a whole tile never costs more
     prompt_token: float = 0.0  #: seconds per prompt token
-    #: observed ÷ predicted, recent steps weighing more: what the calibration (short
-    #: histories, an idle machine) does not see, such as attention over long histories
-    scale: float = 1.0
+    #: observed ÷ calibrated, by rows on a log2 grid (1, 2, 4, ... 1024 rows, interpolated),
+    #: recent steps weighing more: what the calibration (short histories, an idle machine)
+    #: does not see, such as attention over long histories, which weighs more on some batch
+    #: sizes than on others (one factor for every size made 16 rows look 18 % dearer than
+    #: they were, and drafts with them)
+    grid: list[float] = field(default_factory=lambda: [1.0] * 11)
+    grid_seen: bool = False
+    prompt_scale: float = 1.0  #: observed ÷ calibrated for prompt tokens
     #: a draft call's seconds: a + k * (b + c * n) for k positions (draft passes are
     #: sequential) and n sequences drafting, by least squares over recent calls (an
     #: EAGLE-3 head costs mostly per call, a draft model per pass, an n-gram lookup nothing)
@@ -285,7 +290,14 @@ class StepCost:
     def target(self, rows: float, prompt: int = 0) -> float:
         if not self.calibrated:
             return rows + 0.4 * prompt  # uncalibrated: a token is a token
-        return self.scale * (self._interpolate(rows) + prompt * self.prompt_token)
+        return self.scale(rows) * self._interpolate(rows) + self.prompt_scale * prompt * self.prompt_token
+
+    def scale(self, rows: float) -> float:
+        """Observed ÷ calibrated at ``rows``."""
+        u = min(max(math.log2(max(rows, 1.0)), 0.0), len(self.grid) - 1.0)
+        i = min(int(u), len(self.grid) - 2)
+        f = u - i
+        return self.grid[i] * (1.0 - f) + self.grid[i + 1] * f
 
     def _interpolate(self, rows: float) -> float:
         lo = int(rows)
@@ -294,10 +306,25 @@ class StepCost:
         return max(y + (self._curve(lo + 1) - y) * frac if frac else y, 1e-9)
 
     def observe(self, rows: int, prompt: int, seconds: float) -> None:
-        """A target decode as it ran: move the scale towards it."""
-        if self.calibrated and rows > 0 and seconds > 0:
-            ratio = seconds / (self._interpolate(rows) + prompt * self.prompt_token)
-            self.scale += self.learning_rate * (ratio - self.scale)
+        """A target decode as it ran: move the scale at its rows towards it, or the prompt
+        tokens' scale when they made most of the step."""
+        if not (self.calibrated and rows > 0 and seconds > 0):
+            return
+        base = self._interpolate(rows)
+        chunk = self.prompt_scale * prompt * self.prompt_token
+        if not self.grid_seen:  # (the first step sets every size: nothing better is known)
+            self.grid = [seconds / (base + chunk)] * len(self.grid)
+            self.grid_seen = True
+            return
+        lr = self.learning_rate
+        if chunk <= 0.25 * self.scale(rows) * base:
+            ratio = max(seconds - chunk, 0.0) / base
+            u = min(math.log2(rows), len(self.grid) - 1.0)
+            for j in range(len(self.grid)):  # (sizes near it follow too, the far ones barely)
+                self.grid[j] += lr * 4.0 ** -abs(u - j) * (ratio - self.grid[j])
+        else:
+            ratio = (seconds - self.scale(rows) * base) / (prompt * self.prompt_token)
+            self.prompt_scale += lr * (min(max(ratio, 0.2), 5.0) - self.prompt_scale)
 
     def draft(self, k: int, n: int) -> float:
         return max(self.draft_fit((1.0, k, k * n)), 0.0) if k > 0 and n > 0 else 0.0
@@ -534,15 +561,21 @@ class DraftPolicy:
             return lambda rows, k_max, n_drafting, lag: (
                 cost.target(n + rows) + cost.draft(k_max, n_drafting) + self._sync_cost(n, rows, lag)
             )
-        curve, scale = cost._curve, cost.scale
         w0, w1, w2 = cost.draft_fit.weights()
         sync_fit, mode = cost.sync_fit, self.sync
+        scaled: dict[int, float] = {}  # (the scaled curve by whole rows, as needed)
+
+        def at(r: int) -> float:
+            y = scaled.get(r)
+            if y is None:
+                y = scaled[r] = cost.scale(r) * cost._curve(max(r, 1))
+            return y
 
         def step_cost(rows: float, k_max: int, n_drafting: int, lag: int) -> float:
             x = n + rows
             lo = int(x)
-            y = curve(lo)
-            t = scale * max(y + (curve(lo + 1) - y) * (x - lo), 1e-9)
+            y = at(lo)
+            t = max(y + (at(lo + 1) - y) * (x - lo), 1e-9)
             if k_max:
                 t += max(w0 + k_max * (w1 + w2 * n_drafting), 0.0)
             if mode is DrafterSync.STREAM:
