@@ -116,8 +116,12 @@ def markdown(report: list[dict[str, object]], args: argparse.Namespace) -> str:
         f"`python benchmarks/drafters.py {' '.join(sys.argv[1:])}`: {args.threads} threads, "
         f"{args.max_tokens} tokens per request, greedy, {args.requests or '4N (at least 8)'} requests per N, "
         f"median of {args.repeats} interleaved repeats [min, max]. The tiny targets decode a step "
-        "in 1–4 ms, so every per-step cost of a drafter (its own decode of the batch, the "
-        "target's embeddings it reads) weighs as much as the target itself.",
+        "in 1–4 ms, so a drafter's own work (its decode of the batch, the target's hidden states "
+        "it reads) weighs as much as the target itself: the draft policy measures it at start "
+        "and online, a draft model catches up only when it drafts, and a hidden-state drafter "
+        "is no longer fed once its drafts cannot pay for that (`DrafterGate`). Most rows "
+        "therefore draft nothing in the steady window; the ratio is then what speculation on "
+        "costs. drafted / accepted count the whole load (after a 4-token warm-up request), ramp included.",
         "",
         "| scenario | N | on ÷ off | drafted / accepted |",
         "|---|---:|---:|---:|",
