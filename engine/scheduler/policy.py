@@ -183,6 +183,18 @@ class DraftStats:
         return (prod + weight * prior[0]) / (req + weight), (acc + weight * prior[1]) / (req + weight)
 
 
+def _monotone(rates: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Per-position (produced, accepted) rates as a drafter makes them: a token at position
+    m needs one at m - 1, so neither rate rises with m. Estimates can (deep positions are
+    requested less often and lean on the prior): a running minimum."""
+    out, prod, acc = [], 1.0, 1.0
+    for p, a in rates:
+        prod = min(prod, p)
+        acc = min(acc, a, prod)
+        out.append((prod, acc))
+    return out
+
+
 @dataclass
 class StepCost:
     """Step time on this machine, in seconds.
@@ -441,7 +453,7 @@ class DraftPolicy:
 
         if self.uniform:
             return self._uniform(seqs, rates)
-        return self._best(seqs, [[rates(s, m) for m in range(1, s.max_k + 1)] for s in seqs])
+        return self._best(seqs, [_monotone([rates(s, m) for m in range(1, s.max_k + 1)]) for s in seqs])
 
     def observe_probe(self, accepted: bool) -> None:
         """A probe's outcome: a rejected one waits twice as long for the next."""
