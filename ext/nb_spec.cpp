@@ -514,6 +514,8 @@ NB_MODULE(_nb_spec, m) {
         .def_ro("n_accepted", &SpecStats::n_accepted)
         .def_ro("accepted_per_pos", &SpecStats::accepted_per_pos)
         .def_ro("t_process_us", &SpecStats::t_process_us)
+        .def_ro("n_caught_up", &SpecStats::n_caught_up)
+        .def_ro("t_catch_up_us", &SpecStats::t_catch_up_us)
         .def_ro("t_draft_us", &SpecStats::t_draft_us)
         .def_ro("t_accept_us", &SpecStats::t_accept_us);
 
@@ -540,6 +542,7 @@ NB_MODULE(_nb_spec, m) {
         .def_prop_ro("draft_context", [](const S & h) { return h.draft_ref; })
         .def("need_embd", &Bound<S, &SpecSession::need_embd>::call)
         .def("need_embd_pre_norm", &Bound<S, &SpecSession::need_embd_pre_norm>::call)
+        .def("drafter_sync", &Bound<S, &SpecSession::drafter_sync>::call)
         .def("decode_target", [](S & h, const std::vector<int32_t> & tokens, const std::vector<int32_t> & pos,
                                  const std::vector<int32_t> & seq, const std::vector<bool> & logits, bool process) {
                 BatchData b = make_batch(tokens, pos, seq, logits);

@@ -350,17 +350,25 @@ int32_t SpecSession::sync(const BatchData & batch, bool stream) {
     return 0;
 }
 
-int32_t SpecSession::catch_up(const std::vector<DraftRequest> & requests) {
-    if (sync_kind_ != DrafterSync::CatchUp || spec_ == nullptr) return 0;
+std::string SpecSession::drafter_sync() const {
+    switch (sync_kind_) {
+        case DrafterSync::CatchUp: return "catch_up";
+        case DrafterSync::Stream: return "stream";
+        default: return "none";
+    }
+}
+
+void SpecSession::catch_up(const std::vector<DraftRequest> & requests) {
+    if (sync_kind_ != DrafterSync::CatchUp || spec_ == nullptr) return;
+    const int64_t t0 = now_us();
     llama_memory_t mem = llama_get_memory(draft_->get());
     const int32_t n_batch = static_cast<int32_t>(draft_->params().n_batch);
     BatchData batch;
-    int32_t total = 0;
     auto flush = [&] {
         if (batch.size() == 0) return;
         batch.logits.back() = 1;  // (llama.cpp wants one output; the draft call decodes id_last again)
         draft_->decode(batch);
-        total += static_cast<int32_t>(batch.size());
+        stats_.n_caught_up += batch.size();
         batch = BatchData{};
     };
     for (const DraftRequest & r : requests) {
@@ -377,7 +385,7 @@ int32_t SpecSession::catch_up(const std::vector<DraftRequest> & requests) {
         }
     }
     flush();
-    return total;
+    stats_.t_catch_up_us += now_us() - t0;
 }
 
 void SpecSession::begin(int32_t seq_id, const std::vector<llama_token> & prompt) {

@@ -70,6 +70,8 @@ struct SpecStats {
     uint64_t n_accept_calls = 0, n_accepted = 0;
     std::vector<uint64_t> accepted_per_pos;
     int64_t t_process_us = 0, t_draft_us = 0, t_accept_us = 0;
+    uint64_t n_caught_up = 0;  // tokens a catch-up drafter decoded before drafting
+    int64_t t_catch_up_us = 0;
 };
 
 class SpecSession {
@@ -88,7 +90,8 @@ public:
 
     void decode_target(const BatchData & batch);
     void process(const BatchData & batch);
-    DrafterSync drafter_sync() const { return sync_kind_; }
+    // "none", "catch_up" or "stream" (Python's engine.scheduler.policy.DrafterSync values)
+    std::string drafter_sync() const;
     // The engine step's process(): the batch just decoded on the target goes into the
     // history, and the drafter keeps up only as far as it must. A catch-up drafter decodes
     // nothing now (catch_up does, for the sequences that draft). A stream drafter processes
@@ -96,9 +99,6 @@ public:
     // on (it drafts nothing until the sequence is cleared). Returns the rows the drafter
     // decoded.
     int32_t sync(const BatchData & batch, bool stream);
-    // A catch-up drafter decodes the history it has not seen of each requested sequence, up
-    // to its n_past, in batches of the draft context's n_batch. Returns the tokens decoded.
-    int32_t catch_up(const std::vector<DraftRequest> & requests);
     // Whether the drafter can draft for the sequence (a stream drafter that missed a batch of
     // it cannot).
     bool in_sync(int32_t seq_id) const { return in_sync_.at(seq_id); }
@@ -152,6 +152,9 @@ public:
 private:
     bool upstream_quiescent() const;
     void process_checks(const BatchData & batch);  // validate, record the history
+    // A catch-up drafter decodes the history it has not seen of each requested sequence, up
+    // to its n_past, in batches of the draft context's n_batch (draft_many calls it first).
+    void catch_up(const std::vector<DraftRequest> & requests);
     void validate_contexts();
     void record_history(const BatchData & batch);
     std::vector<uint8_t> spec_container(int32_t seq_id, bool require_payload);

@@ -19,7 +19,8 @@ from engine import (
     SamplingParams,
     SpeculativeConfig,
 )
-from engine.scheduler.policy import Drafting, StepCost
+from engine.scheduler.cost import StepCost
+from engine.scheduler.policy import Drafting
 from engine.session import InvalidArgumentError, InvalidConfigError, PromptTooLongError, StateError
 from engine.session.checkpoint import unpack
 from tests.aio import Task, gather

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import itertools
 
-from engine.scheduler.policy import DrafterSync, Drafting, DraftPolicy, DraftStats, StepCost
+from engine.scheduler.cost import StepCost
+from engine.scheduler.policy import DrafterSync, Drafting, DraftPolicy, DraftStats
 
 
 def linear_cost(fixed: float, per_row: float, max_rows: int = 64) -> StepCost:

@@ -36,11 +36,12 @@ from ..session import (
     SessionError,
     SpeculativeSession,
 )
+from .cost import StepCost
 from .errors import EngineDeadError, UnknownRequestError
 from .inputs import InputProcessor, Prompt
 from .params import EngineConfig, SamplingParams, default_model_path
 from .planner import Plan
-from .policy import DrafterSync, StepCost
+from .policy import DrafterSync
 from .request import CheckpointWaiter, Delta, Request, RequestOutput
 from .scheduler import EngineMetrics, Scheduler
 
@@ -136,6 +137,7 @@ class Engine:
             fingerprint,
             self.metrics,
             prefix_cache=cfg.prefix_cache and not (info.is_recurrent or info.is_hybrid),
+            drafter_sync=DrafterSync(self._session.drafter_sync()),
         )
         self._inputs = InputProcessor(self._model, cfg.n_ctx, fingerprint, with_draft)
         policy = self._scheduler.policy
@@ -444,12 +446,8 @@ def _calibrate_drafter(session: SpeculativeSession, cost: StepCost, sync: Drafte
     batch.add_sequence(prompt, 0, 0, logits="last")
     k_max = session.n_draft_max
 
-    def timed(call: Callable[[], object]) -> float:
-        t0 = time.perf_counter()
-        call()
-        return time.perf_counter() - t0
-
     def draft(k: int) -> tuple[float, int]:
+        """(seconds, tokens drafted) of one draft call of up to ``k`` positions."""
         t0 = time.perf_counter()
         (got,) = session.draft_many([(0, n, token, k)])
         seconds = time.perf_counter() - t0
@@ -457,34 +455,38 @@ def _calibrate_drafter(session: SpeculativeSession, cost: StepCost, sync: Drafte
             session.accept(0, 0)
         return seconds, len(got)
 
-    rounds = []
+    def empty() -> None:
+        if session.pending(0) is not None:
+            session.accept(0, 0)
+        session.clear_target_kv_cache_seq(0)
+        if session.draft_context is not None:
+            session.clear_draft_kv_cache_seq(0)
+
+    keep_up, first, one, most = [], [], [], []  # (per round)
     try:
         for _ in range(2):
             session.decode_target(batch)
-            keep_up = timed(lambda: session.process(batch)) if sync is DrafterSync.STREAM else 0.0
+            t0 = time.perf_counter()
+            if sync is DrafterSync.STREAM:
+                session.process(batch)
+            keep_up.append(time.perf_counter() - t0)
             session.begin(0, prompt)
-            first = draft(1)  # (a draft model catches up on the prompt first)
-            rounds.append((keep_up, first, draft(1), draft(k_max)))
-            session.clear_target_kv_cache_seq(0)
-            if session.draft_context is not None:
-                session.clear_draft_kv_cache_seq(0)
+            first.append(draft(1)[0])  # (a draft model catches up on the prompt first)
+            one.append(draft(1))
+            most.append(draft(k_max))
+            empty()
     except SessionError as e:
         log.warning("engine.drafter_calibration_failed", error=str(e))
         with contextlib.suppress(SessionError):
-            if session.pending(0) is not None:
-                session.accept(0, 0)
-            session.clear_target_kv_cache_seq(0)
-            if session.draft_context is not None:
-                session.clear_draft_kv_cache_seq(0)
+            empty()
         return
-    keep_up = min(r[0] for r in rounds)
-    (t1, k1), (tk, kk) = min(r[2] for r in rounds), min(r[3] for r in rounds)
-    if sync is DrafterSync.CATCH_UP:
-        keep_up = max(min(r[1][0] for r in rounds) - t1, 0.0)
-    cost.observe_sync(n, keep_up)
-    for seconds, k in ((t1, k1), (tk, kk)):
-        cost.observe_draft(k, 1, seconds)  # (k = 0, the drafter drafted nothing: no figure)
-    log.debug("engine.drafter_calibrated", keep_up_s=keep_up, draft_1_s=t1, draft_k_s=tk, k=kk)
+    (t1, k1), (tk, kk) = min(one), min(most)
+    # a stream drafter's pass over the prompt, or a draft model's catch-up on it
+    seconds = min(keep_up) if sync is DrafterSync.STREAM else max(min(first) - t1, 0.0)
+    cost.observe_sync(n, seconds)
+    for t, k in ((t1, k1), (tk, kk)):
+        cost.observe_draft(k, 1, t)  # (k = 0, the drafter drafted nothing: no figure)
+    log.debug("engine.drafter_calibrated", keep_up_s=seconds, draft_1_s=t1, draft_k_s=tk, k=kk)
 
 
 class RequestStream:

@@ -105,6 +105,7 @@ class Scheduler:
         fingerprint: dict[str, Any],
         metrics: EngineMetrics,
         prefix_cache: bool = False,
+        drafter_sync: DrafterSync = DrafterSync.NONE,
     ) -> None:
         self.config = config
         self.metrics = metrics
@@ -115,7 +116,7 @@ class Scheduler:
         self.policy = DraftPolicy(
             adaptive=config.draft_policy == "adaptive",
             uniform=not config.unified_kv,
-            sync=DrafterSync.of(config.spec.type),
+            sync=drafter_sync,
         )
         self._eog = tuple(eog_tokens)
         self._settles: dict[int, int] = {}  # slot -> drafts kept, settled at the next boundary
@@ -231,14 +232,15 @@ class Scheduler:
             policy=self.policy,
             step=self.metrics.steps,
         )
-        decoding = [w for w in plan.work if w.request.state is RequestState.DECODE]
-        plan.sync_drafter = self.policy.sync_step(
-            self.metrics.steps,
-            len(decoding),
-            sum(len(w.tokens) for w in plan.work) - len(decoding),
-            any(w.request.drafter_in_sync for w in plan.work),
-            any(w.request.drafter_in_sync for w in decoding),
-        )
+        if self.policy.sync is DrafterSync.STREAM:  # (the other drafters are always fed)
+            decoding = [w for w in plan.work if w.request.state is RequestState.DECODE]
+            plan.sync_drafter = self.policy.sync_step(
+                self.metrics.steps,
+                len(decoding),
+                sum(len(w.tokens) for w in plan.work) - len(decoding),
+                any(w.request.drafter_in_sync for w in plan.work),
+                any(w.request.drafter_in_sync for w in decoding),
+            )
         # taken last: a planning fault leaves them for the next plan
         plan.settles = sorted(self._settles.items())
         self._settles.clear()

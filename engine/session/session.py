@@ -155,6 +155,11 @@ class SpeculativeSession:
         (``llama_set_embeddings``; no upstream drafter does)."""
         return bool(self.native.need_embd())
 
+    def drafter_sync(self) -> str:
+        """How the drafter keeps up with the target in the engine step: ``none`` (n-gram
+        drafters), ``catch_up`` (a draft model) or ``stream`` (hidden-state drafters)."""
+        return str(self.native.drafter_sync())
+
     def need_embd_pre_norm(self) -> bool:
         """Whether the drafter turned on pre-norm hidden-state extraction on the target
         (layer inputs, the NextN hidden state: EAGLE-3, DFlash, MTP); read from the target
