@@ -42,6 +42,22 @@ def history(accepted: float, n: int = 60, k: int = 4) -> DraftStats:
     return stats
 
 
+def matching(match: float, accepted: float, n: int = 60, k: int = 4) -> DraftStats:
+    """Stats of an n-gram drafter: it drafts ``k`` tokens in a ``match`` share of the ``n``
+    verifications and nothing in the others; each drafted position accepted with
+    probability ``accepted`` given the ones before."""
+    stats = DraftStats()
+    for i in range(n):
+        if (i * 6007) % 1000 >= 1000 * match:
+            stats.record(k, 0, 0)
+            continue
+        a = 0
+        while a < k and (i * 7919 + a * 104729) % 1000 < 1000 * accepted:
+            a += 1
+        stats.record(k, k, a)
+    return stats
+
+
 def value(policy: DraftPolicy, seqs: list[Drafting], ks: list[int]) -> float:
     """The policy's own objective for a choice (expected tokens per second)."""
     gain = rows = 0.0
@@ -116,10 +132,71 @@ def test_the_choice_maximises_expected_tokens_per_second() -> None:
         )
 
 
+def test_a_drafter_that_rarely_drafts_but_is_right_is_worth_its_rows() -> None:
+    """A row is spent only where the drafter produces a token: a sequence whose n-gram
+    matches a third of the time, and is then right, ranks above one that always drafts
+    and is right half the time. Against brute force, as above: exact where rows cost the
+    same at any batch size; where rows come in tiles, an expected fraction of a row can cross
+    into a dearer tile, and the best prefix of the ranking is within a few percent."""
+    for (cost, tolerance), stats, max_k in itertools.product(
+        ((linear_cost(0.030, 0.004), 1e-9), (linear_cost(0.002, 0.004), 1e-9), (tiled_cost(), 0.07)),
+        (
+            (matching(0.3, 0.95), history(0.5), matching(0.6, 0.9)),
+            (matching(0.2, 0.98), history(0.7), history(0.4)),
+            (matching(0.5, 0.6), matching(0.3, 0.97)),
+            (matching(0.1, 0.9), matching(0.9, 0.5), history(0.8)),
+            (matching(0.4, 0.99), matching(0.4, 0.99), history(0.3)),
+        ),
+        (1, 3),
+    ):
+        policy = DraftPolicy(cost=cost, margin=0.0)
+        seqs = [Drafting(st, max_k) for st in stats]
+        got = policy.lengths(seqs)
+        best = max(
+            itertools.product(range(max_k + 1), repeat=len(seqs)),
+            key=lambda ks: value(policy, seqs, list(ks)),
+        )
+        assert value(policy, seqs, got) >= value(policy, seqs, list(best)) * (1 - tolerance), (
+            max_k,
+            got,
+            best,
+        )
+
+
 def test_no_drafts_when_they_cannot_pay() -> None:
     policy = DraftPolicy(cost=linear_cost(0.010, 0.004))
     seqs = [Drafting(history(0.3), 6) for _ in range(16)]  # a big batch, drafts mostly wrong
     assert policy.lengths(seqs) == [0] * 16
+
+
+def test_a_position_deeper_than_any_drafted_is_priced_by_the_decay_seen_up_to_it() -> None:
+    """The engine has drafted only two positions so far, and copying answers accepted both:
+    a fresh request tries deeper ones (a flat prior of 0.6 there never did on this machine,
+    so their rates were never measured); where the second position was always wrong, the
+    third is not worth a row."""
+    copying = DraftPolicy(cost=linear_cost(0.010, 0.004))
+    for _ in range(200):
+        copying.engine.record(2, 2, 2)
+    assert copying.prior(8)[1] > 0.95
+    assert copying.lengths([Drafting(DraftStats(), 8) for _ in range(4)]) == [8] * 4
+    wrong = DraftPolicy(cost=linear_cost(0.010, 0.004))
+    for _ in range(200):
+        wrong.engine.record(2, 2, 1)
+    assert wrong.prior(3)[1] < 0.01
+    assert wrong.lengths([Drafting(DraftStats(), 8) for _ in range(4)]) == [1] * 4
+
+
+def test_only_a_drafter_with_a_model_must_beat_no_drafts_by_the_margin() -> None:
+    """Drafts the cost model prices 3 % better than none: an n-gram drafter (it costs only
+    the rows it fills) drafts them, a draft model (its own cost is measured less surely)
+    must clear the 5 % margin first."""
+    seqs = [Drafting(history(0.82), 4) for _ in range(8)]
+    ngram = DraftPolicy(cost=linear_cost(0.010, 0.004))
+    assert ngram.lengths(seqs) == [1] * 8
+    gain = ngram._value(*ngram.chosen[:4], 8) / ngram._value(0.0, 0.0, 0, 0, 8)
+    assert 1.02 < gain < 1.05
+    model = DraftPolicy(cost=linear_cost(0.010, 0.004), sync=DrafterSync.CATCH_UP)
+    assert model.lengths(seqs) == [0] * 8
 
 
 def test_long_drafts_when_acceptance_is_high_and_the_batch_small() -> None:
