@@ -117,7 +117,7 @@ def test_the_choice_maximises_expected_tokens_per_second() -> None:
         ((0.95, 0.2), (0.7, 0.7, 0.1), (0.5,), (0.9, 0.9, 0.9)),
         (1, 3),
     ):
-        policy = DraftPolicy(cost=cost, margin=0.0)
+        policy = DraftPolicy(cost=cost, margin=0.0, ngram_margin=0.0)
         seqs = [Drafting(history(a), max_k) for a in accepts]
         got = policy.lengths(seqs)
         best = max(
@@ -149,7 +149,7 @@ def test_a_drafter_that_rarely_drafts_but_is_right_is_worth_its_rows() -> None:
         ),
         (1, 3),
     ):
-        policy = DraftPolicy(cost=cost, margin=0.0)
+        policy = DraftPolicy(cost=cost, margin=0.0, ngram_margin=0.0)
         seqs = [Drafting(st, max_k) for st in stats]
         got = policy.lengths(seqs)
         best = max(
@@ -265,7 +265,7 @@ def test_the_uniform_choice_is_the_best_single_length() -> None:
         ),
         (1, 4),
     ):
-        policy = DraftPolicy(cost=cost, uniform=True, margin=0.0)
+        policy = DraftPolicy(cost=cost, uniform=True, margin=0.0, ngram_margin=0.0)
         seqs = [Drafting(st, max_k) for st in stats]
         (k, *rest) = policy.lengths(seqs)
         assert all(r == k for r in rest)
