@@ -186,6 +186,22 @@ def test_a_position_deeper_than_any_drafted_is_priced_by_the_decay_seen_up_to_it
     assert wrong.lengths([Drafting(DraftStats(), 8) for _ in range(4)]) == [1] * 4
 
 
+def test_an_ngram_drafter_asks_every_sequence_while_its_rows_pay() -> None:
+    """Matches come in episodes: while the engine's drafts are accepted often enough per row
+    they fill, every sequence asks for its longest draft, a request whose last draft was
+    rejected too; when they are not, the per-sequence choice decides (here: the two
+    positions the engine's drafts get right, for the fresh request only)."""
+    seqs = [Drafting(history(0.1), 8), Drafting(DraftStats(), 8), Drafting(history(0.95), 4)]
+    good = DraftPolicy(cost=linear_cost(0.010, 0.004), every_match=True)
+    for i in range(100):
+        good.engine.record(8, 8 if i % 3 == 0 else 0, 7 if i % 3 == 0 else 0)  # (7 of 8 right)
+    assert good.lengths(seqs) == [8, 8, 4]
+    bad = DraftPolicy(cost=linear_cost(0.010, 0.004), every_match=True)
+    for _ in range(100):
+        bad.engine.record(8, 8, 2)  # (2 of 8 right)
+    assert bad.lengths(seqs[:2]) == [0, 2]
+
+
 def test_only_a_drafter_with_a_model_must_beat_no_drafts_by_the_margin() -> None:
     """Drafts the cost model prices 3 % better than none: an n-gram drafter (it costs only
     the rows it fills) drafts them, a draft model (its own cost is measured less surely)

@@ -176,6 +176,9 @@ class DraftPolicy:
     #: never matches) from costing every step an optimisation
     margin: float = 0.05
     ngram_margin: float = 0.01
+    #: an n-gram drafter (:attr:`DrafterSync.NONE`): every sequence asks for its longest
+    #: draft while the engine's accepted-per-row pays (see :meth:`_every_match_pays`)
+    every_match: bool = False
     #: steps between probes; doubles (up to ``max_probe_every``) with each probe rejected
     probe_every: int = 32
     base_probe_every: int = 32
@@ -222,6 +225,9 @@ class DraftPolicy:
         if self.sync is DrafterSync.STREAM and not self.gate.open:
             return [0] * len(seqs)
         n = len(seqs)
+        if self.every_match and not self.uniform and self._every_match_pays(n):
+            self._idle = None
+            return [s.max_k for s in seqs]
         ids = tuple(id(s.stats) for s in seqs)
         versions = sum(s.stats.version for s in seqs) + self.engine.version
         if (
@@ -256,6 +262,20 @@ class DraftPolicy:
         self.probe_every = (
             self.base_probe_every if accepted else min(2 * self.probe_every, self.max_probe_every)
         )
+
+    def _every_match_pays(self, n: int) -> bool:
+        """Whether an n-gram drafter's rows, accepted as often as they have been across the
+        engine, beat the rate of a step of ``n`` sequences without drafts: then every
+        sequence asks for its longest draft (asking costs nothing; a row appears only where
+        the n-gram matches). Matches come in episodes, not per request: a request's own
+        rates, after one rejected draft, kept it from asking when its next match came
+        (Gemma 3 270M, mixed prompts, 4 streams: 76 % of drafts accepted against 88 % when
+        every sequence asked; 1.28x off against 1.11x, medians of 3 interleaved repeats)."""
+        e = self.engine
+        accepted_per_row = (sum(e.accepted) + 2.0 * 0.6) / (sum(e.produced) + 2.0)
+        cost = self.cost
+        row = (cost.target(2 * n) - cost.target(n)) / n
+        return accepted_per_row > row * n / cost.target(n) * (1.0 + self.ngram_margin)
 
     def _margin(self) -> float:
         return self.ngram_margin if self.sync is DrafterSync.NONE else self.margin

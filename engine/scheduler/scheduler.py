@@ -117,6 +117,7 @@ class Scheduler:
             adaptive=config.draft_policy == "adaptive",
             uniform=not config.unified_kv,
             sync=drafter_sync,
+            every_match=drafter_sync is DrafterSync.NONE,
         )
         self._eog = tuple(eog_tokens)
         self._settles: dict[int, int] = {}  # slot -> drafts kept, settled at the next boundary
