@@ -155,8 +155,10 @@ def report(sections: list[dict[str, Any]], meta: dict[str, Any], speculation: li
         "Speculation on ÷ off, each the median of the paired interleaved repeats [min, max]; "
         "`drafted / accepted` are our engine's draft tokens in the median run. The same "
         "speculative settings on both sides (n-gram key and draft lengths in the commands "
-        "below); our draft policy picks fewer drafts, or none, when they do not pay; "
-        "llama-server drafts up to `--spec-draft-n-max` whenever its n-gram matches.",
+        "below). llama-server drafts up to `--spec-draft-n-max` whenever its n-gram matches. "
+        "Our draft policy does the same while the drafts, accepted per batch row they fill, "
+        "pay at the batch size, and otherwise picks the lengths its cost model says pay, or "
+        "none; with per-sequence KV streams (N > 16) it gives every sequence the same length.",
         "",
         *speculation,
         *(["", DRAFTED_NOTHING] if any(drafted_nothing(r) for sec in sections for r in sec["rows"]) else []),
