@@ -97,6 +97,13 @@ def test_the_cost_model_follows_what_steps_cost() -> None:
     assert abs(cost.scale(1) - 1.0) < 0.02 and abs(cost.scale(16) - 0.8) < 0.02
     assert abs(cost.target(4) / (0.010 + 0.004 * 4) - cost.scale(4)) < 1e-9 and 0.8 < cost.scale(4) < 1.0
     assert abs(cost.prompt_scale - 1.5) < 0.05
+    # the whole-row curve the policy searches on is the same curve
+    tiled = tiled_cost()
+    tiled.observe(4, 0, 1.2 * tiled._interpolate(4))
+    tiled.observe(24, 0, 0.9 * tiled._interpolate(24))
+    assert all(
+        abs(a - tiled.target(r)) < 1e-12 for r, a in zip(range(3, 91), tiled.targets(3, 90), strict=True)
+    )
     for _ in range(50):  # a draft model: a pass per position, wider with more sequences
         cost.observe_draft(3, 8, 3 * (0.002 + 0.0005 * 8))
         cost.observe_draft(2, 4, 2 * (0.002 + 0.0005 * 4))

@@ -10,6 +10,9 @@ import bisect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import overload
+
+import numpy as np
 
 __all__ = ["StepCost"]
 
@@ -32,9 +35,13 @@ class _Line:
         self.sxx, self.sxy = self.sxx * d + x * x, self.sxy * d + x * y
         self._fit = None
 
-    def __call__(self, x: float) -> float:
+    @overload
+    def __call__(self, x: float) -> float: ...
+    @overload
+    def __call__(self, x: np.ndarray) -> np.ndarray: ...
+    def __call__(self, x: float | np.ndarray) -> float | np.ndarray:  # (elementwise on arrays)
         if self.w <= 0:
-            return 0.0
+            return 0.0 * x
         if self._fit is None:  # (the policy evaluates the line for every candidate of a step)
             mx, my = self.sx / self.w, self.sy / self.w
             var = self.sxx / self.w - mx * mx
@@ -131,8 +138,9 @@ class StepCost:
     #: catch-up): seconds against the rows it decodes, a least-squares line
     sync_fit: _Line = field(default_factory=lambda: _Line(decay=0.98))
     learning_rate: float = 0.05
-    #: the curve by rows, as computed (the policy reads it for every candidate of a step)
-    _memo: dict[int, float] = field(default_factory=dict, repr=False, compare=False)
+    #: the calibrated curve for 1, 2, ... rows, computed once (extended as needed): the
+    #: policy reads it for every candidate of a step
+    _table: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False, compare=False)
 
     @property
     def calibrated(self) -> bool:
@@ -165,7 +173,7 @@ class StepCost:
         self.small = [got[r] if r in got else between(r) for r in range(1, min(max_rows, 8) + 1)]
         self.tiles = [(r, got[r]) for r in (4, 8) if r in got]
         self.tiles += [(r, best_of_two(r)) for r in (16, 32) if r <= max_rows]
-        self._memo.clear()
+        self._table = np.zeros(0)
         chunk = 32
         self.prompt_token = max(0.0, (best_of_two(1, chunk) - self.small[0]) / chunk)
         misaligned = [n for n in range(1, 33) if n % self.align]
@@ -179,10 +187,14 @@ class StepCost:
         return -(-rows // self.align) * self.align
 
     def _curve(self, rows: int) -> float:
-        y = self._memo.get(rows)
-        if y is None:
-            y = self._memo[rows] = self._compute_curve(rows)
-        return y
+        return float(self._curves(rows)[max(rows, 1) - 1])
+
+    def _curves(self, upto: int) -> np.ndarray:
+        """The calibrated curve for 1, 2, ... rows, at least up to ``upto``."""
+        if len(self._table) < upto:
+            size = max(upto, 2 * len(self._table), 64)
+            self._table = np.array([self._compute_curve(r) for r in range(1, size + 1)])
+        return self._table
 
     def _compute_curve(self, rows: int) -> float:
         if rows <= len(self.small):
@@ -203,12 +215,31 @@ class StepCost:
             return rows + 0.4 * prompt  # uncalibrated: a token is a token
         return self.scale(rows) * self._interpolate(rows) + self.prompt_scale * prompt * self.prompt_token
 
+    def targets(self, lo: int, hi: int) -> np.ndarray:
+        """``target(r)`` for every whole number of rows ``lo <= r <= hi`` (``lo >= 1``), no
+        prompt: the curve the policy interpolates its candidates on."""
+        rows = np.arange(lo, hi + 1)
+        if not self.calibrated:
+            return rows.astype(float)
+        out: np.ndarray = self.scales(rows) * self._curves(hi)[lo - 1 : hi]
+        return out
+
     def scale(self, rows: float) -> float:
-        """Observed ÷ calibrated at ``rows``."""
+        """Observed ÷ calibrated at ``rows`` (interpolated on the log2 grid)."""
         u = min(max(math.log2(max(rows, 1.0)), 0.0), len(self.grid) - 1.0)
         i = min(int(u), len(self.grid) - 2)
         f = u - i
         return self.grid[i] * (1.0 - f) + self.grid[i + 1] * f
+
+    def scales(self, rows: np.ndarray) -> np.ndarray:
+        """:meth:`scale` at each of ``rows``."""
+        top = len(self.grid) - 1
+        u = np.clip(np.log2(np.maximum(rows, 1.0)), 0.0, top)
+        i = np.minimum(u.astype(np.intp), top - 1)
+        f = u - i
+        grid = np.asarray(self.grid)
+        out: np.ndarray = grid[i] * (1.0 - f) + grid[i + 1] * f
+        return out
 
     def _interpolate(self, rows: float) -> float:
         lo = int(rows)
