@@ -176,6 +176,30 @@ def test_no_drafts_when_they_cannot_pay() -> None:
     assert policy.lengths(seqs) == [0] * 16
 
 
+def test_a_choice_of_none_stands_while_nothing_it_rests_on_changed() -> None:
+    """Steps that draft nothing pay for no optimisation: requests ending and fresh ones
+    joining keep the choice; a verification anywhere, fewer sequences decoding, or
+    ``recheck_every`` steps reopen it."""
+    policy = DraftPolicy(cost=linear_cost(0.010, 0.004), recheck_every=4)
+    searches = []
+    search = policy._optimise
+    policy._optimise = lambda seqs: searches.append(len(seqs)) or search(seqs)  # type: ignore[method-assign]
+    old = [Drafting(history(0.3), 6) for _ in range(16)]
+    for step in range(3):  # every step one request ends and a fresh one takes its place
+        assert (
+            policy.lengths(old[step + 1 :] + [Drafting(DraftStats(), 6) for _ in range(step + 1)]) == [0] * 16
+        )
+    assert searches == [16]
+    assert policy.lengths(old[:15]) == [0] * 15  # one fewer decodes: searched again
+    assert searches == [16, 15]
+    policy.observe_verification(old[0].stats, 1, 1, 0)  # a probe was verified
+    policy.lengths(old)
+    assert searches == [16, 15, 16]
+    for _ in range(4):
+        policy.lengths(old)
+    assert searches == [16, 15, 16, 16]  # (the fourth step after the search)
+
+
 def test_a_position_deeper_than_any_drafted_is_priced_by_the_decay_seen_up_to_it() -> None:
     """The engine has drafted only two positions so far, and copying answers accepted both:
     a fresh request tries deeper ones (a flat prior of 0.6 there never did on this machine,
