@@ -142,13 +142,17 @@ if __name__ == "__main__":
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--n-draft", type=int, default=DEFAULT_N_DRAFT)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--json", help="default: benchmarks/results/drafters.json (a run of every scenario)")
-    ap.add_argument("--markdown", help="default: benchmarks/results/drafters.md (a run of every scenario)")
+    ap.add_argument(
+        "--json", help="default: benchmarks/results/drafters.json (a run of every scenario and N)"
+    )
+    ap.add_argument(
+        "--markdown", help="default: benchmarks/results/drafters.md (a run of every scenario and N)"
+    )
     ap.add_argument(
         "--only", help="scenario names separated by ; (default: all; writes no results file unless asked)"
     )
     args = ap.parse_args()
-    if not args.only:  # (a partial run must not replace the published table)
+    if not args.only and args.streams == ap.get_default("streams"):  # (not a partial run)
         args.json = args.json or str(ROOT / "benchmarks" / "results" / "drafters.json")
         args.markdown = args.markdown or str(ROOT / "benchmarks" / "results" / "drafters.md")
     sys.exit(anyio.run(main, args))
