@@ -87,19 +87,19 @@ class DraftStats:
         if requested <= 0:
             return
         self.version += 1
-        n = max(requested, len(self.requested))
-        for seq in (self.requested, self.produced, self.accepted, self.after_produced, self.after_accepted):
+        n, d = max(requested, len(self.requested)), self.decay
+        produced, accepted = min(produced, requested), min(accepted, produced, requested)
+        for seq, first, upto in (  # (every step records one per decoding sequence: slices, not loops)
+            (self.requested, 0, requested),
+            (self.produced, 0, produced),
+            (self.accepted, 0, accepted),
+            (self.after_produced, 1, min(produced + 1, requested)),
+            (self.after_accepted, 1, min(accepted + 1, requested)),
+        ):
             seq.extend([0.0] * (n - len(seq)))
-            if self.decay < 1.0:
-                for i in range(n):
-                    seq[i] *= self.decay
-        for m in range(requested):
-            self.requested[m] += 1.0
-            self.produced[m] += m < produced
-            self.accepted[m] += m < accepted
-            if m:
-                self.after_produced[m] += m <= produced
-                self.after_accepted[m] += m <= accepted
+            if d < 1.0:
+                seq[:] = [x * d for x in seq]
+            seq[first:upto] = [x + 1.0 for x in seq[first:upto]]
 
     def counts(self, k: int) -> np.ndarray:
         """(requested, produced, accepted) at positions 1..k (0 where nothing was recorded),
