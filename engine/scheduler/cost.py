@@ -269,14 +269,25 @@ class StepCost:
             self.prompt_scale += lr * (min(max(ratio, 0.2), 5.0) - self.prompt_scale)
 
     def draft(self, k: int, n: int) -> float:
-        return max(self.draft_fit((1.0, k, k * n)), 0.0) if k > 0 and n > 0 else 0.0
+        return float(self.drafts(np.asarray(k), np.asarray(n)))
+
+    def drafts(self, k: np.ndarray, n: np.ndarray) -> np.ndarray:
+        """:meth:`draft` elementwise."""
+        w0, w1, w2 = self.draft_fit.weights()
+        out: np.ndarray = np.where((k > 0) & (n > 0), np.maximum(w0 + k * (w1 + w2 * n), 0.0), 0.0)
+        return out
 
     def observe_draft(self, k: int, n: int, seconds: float) -> None:
         if k > 0 and n > 0 and seconds >= 0:
             self.draft_fit.add((1.0, k, k * n), seconds)
 
     def sync(self, rows: float) -> float:
-        return max(self.sync_fit(rows), 0.0) if rows > 0 else 0.0
+        return float(self.syncs(np.asarray(rows, dtype=float)))
+
+    def syncs(self, rows: np.ndarray) -> np.ndarray:
+        """:meth:`sync` elementwise."""
+        out: np.ndarray = np.where(rows > 0, np.maximum(self.sync_fit(rows), 0.0), 0.0)
+        return out
 
     def observe_sync(self, rows: int, seconds: float) -> None:
         if rows > 0 and seconds >= 0:

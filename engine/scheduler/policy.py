@@ -137,6 +137,11 @@ class DraftStats:
 _FIRST, _FIRST_WEIGHT = (1.0, 0.6), 2.0
 
 
+def _prefixes(x: np.ndarray) -> np.ndarray:
+    """Running sums of ``x``, after the empty one (0: no drafts)."""
+    return np.concatenate(([0.0], np.cumsum(x)))
+
+
 def _monotone(prod: np.ndarray, acc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per-position (produced, accepted) rates, one row per sequence, as a drafter makes
     them: a token at position m needs one at m - 1, so neither rate rises with m. Estimates
@@ -383,21 +388,16 @@ class DraftPolicy:
         lags = np.array([s.lag for s in seqs], dtype=float)
         seq, pos = np.nonzero(np.arange(k) < np.array([s.max_k for s in seqs])[:, None])
         dear = prod * self._row(n)
-        dear[:, 0] += np.where(lags > 0, np.maximum(self.cost.sync_fit(lags), 0.0), 0.0)  # (catching up)
+        dear[:, 0] += self.cost.syncs(lags)  # (catching up)
         rank = np.minimum.accumulate(acc / np.maximum(dear, 1e-12), axis=1)
         order = np.lexsort((-seq, pos, -rank[seq, pos]))  # best first; ties: earlier positions
         seq, pos = seq[order], pos[order]
         first = pos == 0
-
-        def prefixes(x: np.ndarray) -> np.ndarray:  # (and the empty prefix first: no drafts)
-            return np.concatenate(([0.0], np.cumsum(x)))
-
-        gain, rows = prefixes(acc[seq, pos]), prefixes(prod[seq, pos])
+        gain, rows = _prefixes(acc[seq, pos]), _prefixes(prod[seq, pos])
         k_max = np.concatenate(([0], np.maximum.accumulate(pos) + 1))
-        n_drafting, lag = prefixes(first), prefixes(np.where(first, lags[seq], 0.0))
-        values = self._values(n, gain, rows, k_max, n_drafting, lag)
-        j = int(np.argmax(values[1:])) + 1  # (the first of equals: the fewest rows)
-        if values[j] <= values[0] * (1.0 + self._margin()):
+        n_drafting, lag = _prefixes(first), _prefixes(np.where(first, lags[seq], 0.0))
+        j = self._pick(self._values(n, gain, rows, k_max, n_drafting, lag))
+        if not j:
             return [0] * n
         self.chosen = (float(gain[j]), float(rows[j]), int(k_max[j]), int(n_drafting[j]), int(lag[j]))
         return [int(c) for c in np.bincount(seq[:j], minlength=n)]  # (positions come in order)
@@ -417,15 +417,18 @@ class DraftPolicy:
         curve = cost.targets(n, int(lo.max()) + 1)
         y0, y1 = curve[lo - n], curve[lo - n + 1]
         t: np.ndarray = np.maximum(y0 + (y1 - y0) * (x - lo), 1e-9)
-        k_max = np.asarray(k_max)
-        w0, w1, w2 = cost.draft_fit.weights()
-        t = t + np.where(k_max > 0, np.maximum(w0 + k_max * (w1 + w2 * np.asarray(n_drafting)), 0.0), 0.0)
+        t = t + cost.drafts(np.asarray(k_max), np.asarray(n_drafting))
         if self.sync is DrafterSync.STREAM:  # (paid while the gate is open, drafts or not)
-            t = t + np.maximum(cost.sync_fit(x), 0.0)
+            t = t + cost.syncs(x)
         elif self.sync is DrafterSync.CATCH_UP:
-            lag = np.asarray(lag, dtype=float)
-            t = t + np.where(lag > 0, np.maximum(cost.sync_fit(lag), 0.0), 0.0)
+            t = t + cost.syncs(np.asarray(lag, dtype=float))
         return t
+
+    def _pick(self, values: np.ndarray) -> int:
+        """Which of the choices ``values`` (expected tokens per second; ``values[0]``: no
+        drafts) to take: the best, the first of equals, if it beats none by the margin; else 0."""
+        j = int(np.argmax(values[1:])) + 1
+        return j if values[j] > values[0] * (1.0 + self._margin()) else 0
 
     def _uniform(self, seqs: Sequence[Drafting], prod: np.ndarray, acc: np.ndarray) -> list[int]:
         # every sequence gets k rows of drafts (drafts are trimmed to the shortest produced):
@@ -437,15 +440,12 @@ class DraftPolicy:
         k = int(hopeless[0]) if len(hopeless) else k
         if k == 0:
             return [0] * n
-        every = every[:k]
-        gain = np.cumsum(every * (acc[:, :k] / produced[:, :k]).sum(axis=0))
-        rows, lag = n * np.cumsum(every), sum(s.lag for s in seqs)
-        values = self._values(n, gain, rows, np.arange(1, k + 1), n, lag)
-        j = int(np.argmax(values))
-        if values[j] <= self._value(0.0, 0.0, 0, 0, n) * (1.0 + self._margin()):
-            return [0] * n
-        self.chosen = (float(gain[j]), float(rows[j]), j + 1, n, lag)
-        return [j + 1] * n
+        gain = _prefixes(every[:k] * (acc[:, :k] / produced[:, :k]).sum(axis=0))
+        rows, m, lag = n * _prefixes(every[:k]), np.arange(k + 1), sum(s.lag for s in seqs)
+        j = self._pick(self._values(n, gain, rows, m, n, np.where(m > 0, lag, 0)))  # (j: the length)
+        if j:
+            self.chosen = (float(gain[j]), float(rows[j]), j, n, lag)
+        return [j] * n
 
     # --- learning ----------------------------------------------------------------------
     def observe_step(
