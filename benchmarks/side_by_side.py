@@ -58,6 +58,7 @@ from engine.bench import (
 from engine.cli import DEFAULT_N_DRAFT, DEFAULT_NGRAM_N
 from engine.scheduler.params import default_model_path
 from engine.session import Model, Runtime
+from engine.workloads import prompt_of
 
 #: each request's generated tokens (None: not run)
 Outputs = list[list[int] | None]
@@ -102,7 +103,8 @@ class Setup:
     ngram_n: int
 
     def requests(self, n: int, per_n: int) -> list[list[int]]:
-        return [self.prompts[i % len(self.prompts)] for i in range(max(n, per_n))]
+        """The prompts of a load's requests, in the order every side sends them."""
+        return [prompt_of(self.prompts, i) for i in range(max(n, per_n))]
 
 
 # --- 1. llama-batched-bench -----------------------------------------------------------
@@ -255,7 +257,8 @@ async def run_ours(
         prefix_cache=prefix_cache,  # llama-server here: "cache_prompt" as given
     )
     outputs: dict[int, list[int]] = {}
-    result = await run_load(config, n, len(requests), s.max_tokens, requests, outputs=outputs)
+    # run_load sends request i prompt_of(s.prompts, i): requests[i], as the server got it
+    result = await run_load(config, n, len(requests), s.max_tokens, s.prompts, outputs=outputs)
     return result, [outputs.get(i) for i in range(len(requests))]
 
 

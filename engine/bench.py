@@ -22,7 +22,16 @@ import anyio
 
 from .scheduler import Engine, EngineConfig, SamplingParams
 from .session import Batch, Context, ContextConfig, Model, Runtime
-from .workloads import COPY_PROMPTS, PROMPT_SETS, PROMPTS, SHARED_PROMPTS, SHARED_SYSTEM, TOPICS, load_prompts
+from .workloads import (
+    COPY_PROMPTS,
+    PROMPT_SETS,
+    PROMPTS,
+    SHARED_PROMPTS,
+    SHARED_SYSTEM,
+    TOPICS,
+    load_prompts,
+    prompt_of,
+)
 
 __all__ = [
     "median_spread",
@@ -302,8 +311,8 @@ async def run_load(
     duration: float | None = None,
     outputs: dict[int, list[int]] | None = None,
 ) -> BenchResult:
-    """:func:`closed_loop` through one engine: request ``i`` sends ``prompts[i %
-    len(prompts)]`` (text or token ids), greedy, end-of-generation ignored;
+    """:func:`closed_loop` through one engine: request ``i`` sends ``prompt_of(prompts,
+    i)`` (text or token ids), greedy, end-of-generation ignored;
     ``outputs[i]`` gets its tokens."""
     prompts = prompts or PROMPTS
     async with Engine(config) as engine:
@@ -315,7 +324,7 @@ async def run_load(
         async def send(i: int, max_tokens: int) -> AsyncIterator[list[int]]:
             ids: list[int] = []
             params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-            async for delta in engine.stream(prompts[i % len(prompts)], params):
+            async for delta in engine.stream(prompt_of(prompts, i), params):
                 ids += delta.token_ids
                 yield delta.token_ids
             if outputs is not None:
@@ -386,7 +395,7 @@ async def run_http_load(
         async def send(i: int, want: int) -> AsyncIterator[list[int]]:
             body = {
                 "model": model,
-                "prompt": prompts[i % len(prompts)],
+                "prompt": prompt_of(prompts, i),
                 "max_tokens": want,
                 "temperature": 0.0,
                 "ignore_eos": True,

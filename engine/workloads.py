@@ -4,7 +4,10 @@ files), for ``python -m engine bench`` and the scripts in ``benchmarks/``."""
 from __future__ import annotations
 
 import json
+import random
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TypeVar
 
 __all__ = [
     "COPY_PROMPTS",
@@ -14,7 +17,10 @@ __all__ = [
     "SHARED_SYSTEM",
     "TOPICS",
     "load_prompts",
+    "prompt_of",
 ]
+
+_T = TypeVar("_T")
 
 #: a mixed set; the code-like prompts repeat themselves, which is where n-gram drafting helps
 PROMPTS = [
@@ -106,3 +112,19 @@ def load_prompts(name_or_path: str) -> list[str]:
     if not prompts:
         raise ValueError(f"prompts: {name_or_path} holds no prompts")
     return prompts
+
+
+def prompt_of(prompts: Sequence[_T], i: int) -> _T:
+    """The prompt of a load's request ``i``: every prompt once per round of
+    ``len(prompts)`` requests, in an order shuffled afresh each round (seeded: every run
+    and every server sees the same sequence).
+
+    Not ``prompts[i % len(prompts)]``: closed-loop clients in steady state send request
+    ``i + N`` into the slot that request ``i`` just freed, so with N a multiple of the set's
+    size every request would find its whole prompt still cached there — until speculation
+    reorders which request ends when, and a comparison of speculation on against off
+    measures the prefix cache's luck instead."""
+    size = len(prompts)
+    order = list(range(size))
+    random.Random(i // size).shuffle(order)
+    return prompts[order[i % size]]

@@ -9,6 +9,7 @@ import anyio
 import pytest
 
 from engine.bench import BURST_S, BenchResult, closed_loop, speedups
+from engine.workloads import prompt_of
 
 
 def scripted(step_s: float, per_step: int = 1) -> tuple[list[tuple[int, int]], object]:
@@ -65,3 +66,15 @@ def test_speedups_pair_runs_in_the_order_they_ran() -> None:
     runs = [run("none", 100), run("x", 150), run("none", 50), run("x", 60), run("none", 100), run("x", 90)]
     ((n, spec, med, lo, hi),) = speedups(runs)
     assert (n, spec) == (4, "x") and (med, lo, hi) == (1.2, 0.9, 1.5)
+
+
+def test_requests_send_every_prompt_once_per_round_in_an_order_no_slot_rotation_repeats() -> None:
+    prompts = [f"p{j}" for j in range(8)]
+    sent = [prompt_of(prompts, i) for i in range(800)]
+    assert sent == [prompt_of(prompts, i) for i in range(800)]  # every run, every server
+    assert all(sorted(sent[r : r + 8]) == prompts for r in range(0, 800, 8))
+    # in steady state request i + N reuses request i's slot: with N a multiple of the
+    # set's size, ``i % len`` would find its whole prompt there every time
+    for n in (8, 16, 64):
+        same = sum(sent[i] == sent[i + n] for i in range(800 - n)) / (800 - n)
+        assert same < 0.3, (n, same)
