@@ -179,8 +179,9 @@ def test_no_drafts_when_they_cannot_pay() -> None:
 def test_a_choice_of_none_stands_while_nothing_it_rests_on_changed() -> None:
     """Steps that draft nothing pay for no optimisation: requests ending and fresh ones
     joining keep the choice; a verification anywhere, fewer sequences decoding, or
-    ``recheck_every`` steps reopen it."""
-    policy = DraftPolicy(cost=linear_cost(0.010, 0.004), recheck_every=4)
+    ``recheck_every`` steps reopen it, each search in a row that again chooses none doubling
+    the wait (up to ``max_recheck_every``); a choice of drafts starts it over."""
+    policy = DraftPolicy(cost=linear_cost(0.010, 0.004), recheck_every=4, max_recheck_every=16)
     searches = []
     search = policy._optimise
     policy._optimise = lambda seqs: searches.append(len(seqs)) or search(seqs)  # type: ignore[method-assign]
@@ -190,14 +191,24 @@ def test_a_choice_of_none_stands_while_nothing_it_rests_on_changed() -> None:
             policy.lengths(old[step + 1 :] + [Drafting(DraftStats(), 6) for _ in range(step + 1)]) == [0] * 16
         )
     assert searches == [16]
-    assert policy.lengths(old[:15]) == [0] * 15  # one fewer decodes: searched again
+    assert policy.lengths(old[:15]) == [0] * 15  # one fewer decodes: searched again (stands 8)
     assert searches == [16, 15]
     policy.observe_verification(old[0].stats, 1, 1, 0)  # a probe was verified
     policy.lengths(old)
-    assert searches == [16, 15, 16]
-    for _ in range(4):
-        policy.lengths(old)
-    assert searches == [16, 15, 16, 16]  # (the fourth step after the search)
+    assert searches == [16, 15, 16]  # (stands 16)
+
+    def steps_between_searches() -> int:
+        before, steps = len(searches), 0
+        while len(searches) == before:
+            assert policy.lengths(old) == [0] * 16
+            steps += 1
+        return steps
+
+    assert [steps_between_searches() for _ in range(3)] == [16, 16, 16]  # (at most 16)
+    good = [Drafting(history(1.0), 6) for _ in range(2)]
+    assert any(policy.lengths(good))  # drafts: the next none stands recheck_every again
+    assert policy.lengths(old) == [0] * 16
+    assert steps_between_searches() == 4
 
 
 def test_a_position_deeper_than_any_drafted_is_priced_by_the_decay_seen_up_to_it() -> None:

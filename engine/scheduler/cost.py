@@ -141,6 +141,7 @@ class StepCost:
     #: the calibrated curve for 1, 2, ... rows, computed once (extended as needed): the
     #: policy reads it for every candidate of a step
     _table: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False, compare=False)
+    _reaches: dict[int, list[float]] = field(default_factory=dict, repr=False, compare=False)  #: _reach
 
     @property
     def calibrated(self) -> bool:
@@ -261,12 +262,20 @@ class StepCost:
         lr = self.learning_rate
         if chunk <= 0.25 * self.scale(rows) * base:
             ratio = max(seconds - chunk, 0.0) / base
-            u = min(math.log2(rows), len(self.grid) - 1.0)
-            for j in range(len(self.grid)):  # (sizes near it follow too, the far ones barely)
-                self.grid[j] += lr * 4.0 ** -abs(u - j) * (ratio - self.grid[j])
+            self.grid = [g + lr * w * (ratio - g) for g, w in zip(self.grid, self._reach(rows), strict=True)]
         else:
             ratio = (seconds - self.scale(rows) * base) / (prompt * self.prompt_token)
             self.prompt_scale += lr * (min(max(ratio, 0.2), 5.0) - self.prompt_scale)
+
+    def _reach(self, rows: int) -> list[float]:
+        """How far a step of ``rows`` moves each grid point: fully at its own size, a quarter
+        one octave away (sizes near it follow too, the far ones barely). Every step asks:
+        kept per row count."""
+        reach = self._reaches.get(rows)
+        if reach is None:
+            u = min(math.log2(rows), len(self.grid) - 1.0)
+            reach = self._reaches[rows] = [4.0 ** -abs(u - j) for j in range(len(self.grid))]
+        return reach
 
     def draft(self, k: int, n: int) -> float:
         return float(self.drafts(np.asarray(k), np.asarray(n)))

@@ -43,6 +43,7 @@ length for every decoding sequence (and the step trims every draft to the shorte
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -64,21 +65,31 @@ class DrafterSync(enum.Enum):
     STREAM = "stream"  #: hidden-state drafters read every batch; one skipped is lost to them
 
 
+#: DraftStats' series: a draft requested, produced, accepted at position m; requested
+#: there with a token produced / accepted at m - 1 (the cases in which a token at m could
+#: follow one at m - 1; 0 at m = 1)
+_REQUESTED, _PRODUCED, _ACCEPTED, _AFTER_PRODUCED, _AFTER_ACCEPTED = range(5)
+
+
 @dataclass
 class DraftStats:
     """Per draft position m = 1, 2, ...: how often a draft was requested there, how often the
     drafter produced a token there, how often the target accepted it. ``decay`` < 1 weighs
-    recent steps more (1: plain counts)."""
+    recent steps more (1: plain counts).
+
+    Every decoding sequence records one verification per step, into its own stats and the
+    engine's: a record costs O(1), not O(positions). A verification adds 1 to a run of
+    positions of each series, so each is kept as differences between neighbouring
+    positions (two entries per run) and expanded when read; the decay scales what was
+    recorded before, so it is kept as one factor for everything, each new record added in
+    units of it."""
 
     decay: float = 1.0
-    requested: list[float] = field(default_factory=list)
-    produced: list[float] = field(default_factory=list)
-    accepted: list[float] = field(default_factory=list)
-    #: per position m: requested there with a token produced / accepted at m - 1 (the
-    #: cases in which a token at m could follow one at m - 1; 0 at m = 1)
-    after_produced: list[float] = field(default_factory=list)
-    after_accepted: list[float] = field(default_factory=list)
     version: int = 0  #: counts the verifications recorded
+    _scale: float = field(default=1.0, repr=False)  #: a count is the stored value times this
+    _diffs: list[list[float]] = field(default_factory=lambda: [[0.0] for _ in range(5)], repr=False)
+    _sums: list[float] = field(default_factory=lambda: [0.0] * 5, repr=False)  #: over positions
+    _dense: tuple[int, list[list[float]]] | None = field(default=None, repr=False, compare=False)  #: _runs
     _counts: tuple[int, np.ndarray] | None = field(default=None, repr=False, compare=False)
 
     def record(self, requested: int, produced: int, accepted: int) -> None:
@@ -87,48 +98,77 @@ class DraftStats:
         if requested <= 0:
             return
         self.version += 1
-        n, d = max(requested, len(self.requested)), self.decay
+        if self.decay < 1.0:
+            self._scale *= self.decay
+            if self._scale < 1e-100:  # (long before the stored values could overflow)
+                self._rescale()
         produced, accepted = min(produced, requested), min(accepted, produced, requested)
-        for seq, first, upto in (  # (every step records one per decoding sequence: slices, not loops)
-            (self.requested, 0, requested),
-            (self.produced, 0, produced),
-            (self.accepted, 0, accepted),
-            (self.after_produced, 1, min(produced + 1, requested)),
-            (self.after_accepted, 1, min(accepted + 1, requested)),
+        diffs, sums, unit = self._diffs, self._sums, 1.0 / self._scale
+        if len(diffs[0]) <= requested:
+            for d in diffs:
+                d.extend([0.0] * (requested + 1 - len(d)))
+        for series, first, upto in (
+            (_REQUESTED, 0, requested),
+            (_PRODUCED, 0, produced),
+            (_ACCEPTED, 0, accepted),
+            (_AFTER_PRODUCED, 1, min(produced + 1, requested)),
+            (_AFTER_ACCEPTED, 1, min(accepted + 1, requested)),
         ):
-            seq.extend([0.0] * (n - len(seq)))
-            if d < 1.0:
-                seq[:] = [x * d for x in seq]
-            seq[first:upto] = [x + 1.0 for x in seq[first:upto]]
+            if upto > first:
+                d = diffs[series]
+                d[first] += unit
+                d[upto] -= unit
+                sums[series] += unit * (upto - first)
+
+    def _rescale(self) -> None:
+        scale = self._scale
+        self._diffs = [[x * scale for x in d] for d in self._diffs]
+        self._sums = [x * scale for x in self._sums]
+        self._scale = 1.0
+
+    def _runs(self) -> list[list[float]]:
+        """Requested, produced and accepted per position, in stored units (times
+        ``_scale``: counts), expanded once per verification."""
+        if self._dense is None or self._dense[0] != self.version:
+            self._dense = (self.version, [list(itertools.accumulate(d[:-1])) for d in self._diffs[:3]])
+        return self._dense[1]
+
+    def count(self, series: int, m: int) -> float:
+        """How often ``series`` (requested, produced, accepted) happened at position m."""
+        runs = self._runs()[series]
+        return max(runs[m - 1] * self._scale, 0.0) if m <= len(runs) else 0.0  # (rounding: -1e-16s)
+
+    def total(self, series: int) -> float:
+        """A series summed over every position."""
+        return self._sums[series] * self._scale
 
     def counts(self, k: int) -> np.ndarray:
         """(requested, produced, accepted) at positions 1..k (0 where nothing was recorded),
         a (3, k) array, kept until the next verification (the policy reads it every step)."""
         if self._counts is None or self._counts[0] != self.version or self._counts[1].shape[1] != k:
-            self._counts = (
-                self.version,
-                np.array(
-                    [xs[:k] + [0.0] * (k - len(xs)) for xs in (self.requested, self.produced, self.accepted)]
-                ),
-            )
+            out = np.array([xs[:k] + [0.0] * (k - len(xs)) for xs in self._runs()])
+            out *= self._scale
+            self._counts = (self.version, np.maximum(out, 0.0, out=out))
         return self._counts[1]
 
     def rates(self, m: int, prior: tuple[float, float], weight: float) -> tuple[float, float]:
         """(P(a token is produced at position m), P(it is produced and accepted)), both given
         that position m is requested; ``prior`` is what a request with no history gets."""
-        i = m - 1
-        req = self.requested[i] if i < len(self.requested) else 0.0
-        prod = self.produced[i] if i < len(self.produced) else 0.0
-        acc = self.accepted[i] if i < len(self.accepted) else 0.0
-        return (prod + weight * prior[0]) / (req + weight), (acc + weight * prior[1]) / (req + weight)
+        req = self.count(_REQUESTED, m) + weight
+        return (
+            (self.count(_PRODUCED, m) + weight * prior[0]) / req,
+            (self.count(_ACCEPTED, m) + weight * prior[1]) / req,
+        )
 
     def continuation(self, prior: tuple[float, float], weight: float) -> tuple[float, float]:
         """(P(a token is produced at m | one was at m - 1), P(it is accepted | the one at
         m - 1 was)), pooled over the positions m >= 2 requested; ``prior`` counts as
         ``weight`` cases."""
+        deeper_produced = self.total(_PRODUCED) - self.count(_PRODUCED, 1)
+        deeper_accepted = self.total(_ACCEPTED) - self.count(_ACCEPTED, 1)
         return (
-            (sum(self.produced[1:]) + weight * prior[0]) / (sum(self.after_produced) + weight),
-            (sum(self.accepted[1:]) + weight * prior[1]) / (sum(self.after_accepted) + weight),
+            (max(deeper_produced, 0.0) + weight * prior[0]) / (self.total(_AFTER_PRODUCED) + weight),
+            (max(deeper_accepted, 0.0) + weight * prior[1]) / (self.total(_AFTER_ACCEPTED) + weight),
         )
 
 
@@ -217,9 +257,13 @@ class DraftPolicy:
     #: steps that draft nothing pay for no optimisation. Requests that come and go do not
     #: reopen it: one that joins knows only the engine's prior, which has not changed either
     #: (at 16 streams of 64 tokens a request ends every 4 steps: a search on 43 % of the
-    #: steps), and more sequences make rows no cheaper
+    #: steps), and more sequences make rows no cheaper. Each search in a row that again
+    #: chooses none doubles the wait, up to ``max_recheck_every`` (a tiny model's step is
+    #: 1 ms, a search 0.3 ms between two decodes: every 8th step, 3 % of its time)
     recheck_every: int = 8
-    _idle: tuple[int, int, int] | None = None  #: (engine version, sequences, steps) of a none
+    max_recheck_every: int = 128
+    #: (engine version, sequences, steps, steps it stands) of a choice of none
+    _idle: tuple[int, int, int, int] | None = None
     _prior: tuple[int, int, np.ndarray] | None = None  #: (engine version, k, priors(k) as rows)
 
     def prior(self, m: int) -> tuple[float, float]:
@@ -256,12 +300,18 @@ class DraftPolicy:
             self._idle = None
             return [s.max_k for s in seqs]
         idle, version = self._idle, self.engine.version
-        if idle is not None and idle[0] == version and n >= idle[1] and idle[2] < self.recheck_every:
-            self._idle = (version, idle[1], idle[2] + 1)  # (longer catch-ups, shorter caps: still none)
+        if idle is not None and idle[0] == version and n >= idle[1] and idle[2] < idle[3]:
+            self._idle = (
+                version,
+                idle[1],
+                idle[2] + 1,
+                idle[3],
+            )  # (longer catch-ups, shorter caps: still none)
             ks = [0] * n
         else:
             ks = self._optimise(seqs)
-            self._idle = None if any(ks) else (version, n, 1)
+            stands = self.recheck_every if idle is None else min(2 * idle[3], self.max_recheck_every)
+            self._idle = None if any(ks) else (version, n, 1, stands)
         if self.uniform:
             return ks
         for i, (k, s) in enumerate(zip(ks, seqs, strict=True)):
@@ -309,7 +359,9 @@ class DraftPolicy:
         (Gemma 3 270M, mixed prompts, 4 streams: 76 % of drafts accepted against 88 % when
         every sequence asked; 1.28x off against 1.11x, medians of 3 interleaved repeats)."""
         e = self.engine
-        accepted_per_row = (sum(e.accepted) + _FIRST_WEIGHT * _FIRST[1]) / (sum(e.produced) + _FIRST_WEIGHT)
+        accepted_per_row = (e.total(_ACCEPTED) + _FIRST_WEIGHT * _FIRST[1]) / (
+            e.total(_PRODUCED) + _FIRST_WEIGHT
+        )
         return accepted_per_row > self._row(n) * n / self.cost.target(n) * (1.0 + self.ngram_margin)
 
     def _row(self, n: int) -> float:
