@@ -54,6 +54,12 @@ log = get_logger("engine")
 MAX_CONSECUTIVE_FAULTS = 3
 #: how long a step waits for requests being submitted when it starts (their tokenization)
 ARRIVAL_WAIT_S = 0.01
+#: event-loop turns a step gives the callers whose requests just ended, to submit their
+#: next one before the step is planned: a caller that goes on at once (a chat turn, a
+#: client in a loop) is back within a few (``engine.stream`` in a loop: 3). Missing it
+#: costs that request a whole step: its prompt, tokenized on the native thread, waited
+#: behind the step (Gemma 3 270M, 16 closed-loop streams: time to first token 174 -> 91 ms)
+CALLER_TURNS = 8
 
 
 class Engine:
@@ -333,9 +339,10 @@ class Engine:
                     cost = scheduler.policy.cost
                     native = plan.native(cost.align, cost.align_from)
                     result = await runtime.wait(self._runner.step_async(native))
+                    ended = self.metrics.requests_finished
                     scheduler.update(plan, result)
                     faults = 0
-                    await self._let_callers_submit()
+                    await self._let_callers_submit(self.metrics.requests_finished > ended)
                 except ClosedError:
                     raise  # the native thread is gone
                 except Exception as exc:  # noqa: BLE001 - the step's requests fail, the engine goes on
@@ -364,12 +371,17 @@ class Engine:
             scheduler.redo_boundary(plan)
         scheduler.fail_requests(touched, exc)
 
-    async def _let_callers_submit(self) -> None:
-        """Between steps: let the callers woken by this step run, and wait (briefly) for the
-        requests they are submitting, so that a slot freed by a finished request is refilled
-        in the next step rather than the one after (the prompt is tokenized on the native
-        thread, which is idle now)."""
+    async def _let_callers_submit(self, ended: bool) -> None:
+        """Between steps: let the callers woken by this step run (when requests ended, for
+        up to :data:`CALLER_TURNS` turns of the event loop, until one submits), and wait
+        (briefly) for the requests they are submitting, so that a slot freed by a finished
+        request is refilled in the next step rather than the one after (the prompt is
+        tokenized on the native thread, which is idle now)."""
         await anyio.sleep(0)
+        for _ in range(CALLER_TURNS - 1 if ended else 0):
+            if self._submitting:
+                break
+            await anyio.sleep(0)
         if self._submitting:
             with anyio.move_on_after(ARRIVAL_WAIT_S):
                 while self._submitting:
