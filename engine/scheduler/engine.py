@@ -377,11 +377,10 @@ class Engine:
         (briefly) for the requests they are submitting, so that a slot freed by a finished
         request is refilled in the next step rather than the one after (the prompt is
         tokenized on the native thread, which is idle now)."""
-        await anyio.sleep(0)
-        for _ in range(CALLER_TURNS - 1 if ended else 0):
+        for _ in range(CALLER_TURNS if ended else 1):
+            await anyio.sleep(0)
             if self._submitting:
                 break
-            await anyio.sleep(0)
         if self._submitting:
             with anyio.move_on_after(ARRIVAL_WAIT_S):
                 while self._submitting:

@@ -46,6 +46,7 @@ import enum
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -79,15 +80,17 @@ class DraftStats:
 
     Every decoding sequence records one verification per step, into its own stats and the
     engine's: a record costs O(1), not O(positions). A verification adds 1 to a run of
-    positions of each series, so each is kept as differences between neighbouring
-    positions (two entries per run) and expanded when read; the decay scales what was
-    recorded before, so it is kept as one factor for everything, each new record added in
-    units of it."""
+    positions of each series, so requested, produced and accepted are kept as differences
+    between neighbouring positions (two entries per run) and expanded when read; of the
+    other two only their sums over positions are read, so only those are kept. The decay
+    scales what was recorded before, so it is kept as one factor for everything, each new
+    record added in units of it."""
 
     decay: float = 1.0
     version: int = 0  #: counts the verifications recorded
     _scale: float = field(default=1.0, repr=False)  #: a count is the stored value times this
-    _diffs: list[list[float]] = field(default_factory=lambda: [[0.0] for _ in range(5)], repr=False)
+    #: requested, produced, accepted: per position, the change from the position before
+    _diffs: list[list[float]] = field(default_factory=lambda: [[0.0] for _ in range(3)], repr=False)
     _sums: list[float] = field(default_factory=lambda: [0.0] * 5, repr=False)  #: over positions
     _dense: tuple[int, list[list[float]]] | None = field(default=None, repr=False, compare=False)  #: _runs
     _counts: tuple[int, np.ndarray] | None = field(default=None, repr=False, compare=False)
@@ -107,18 +110,15 @@ class DraftStats:
         if len(diffs[0]) <= requested:
             for d in diffs:
                 d.extend([0.0] * (requested + 1 - len(d)))
-        for series, first, upto in (
-            (_REQUESTED, 0, requested),
-            (_PRODUCED, 0, produced),
-            (_ACCEPTED, 0, accepted),
-            (_AFTER_PRODUCED, 1, min(produced + 1, requested)),
-            (_AFTER_ACCEPTED, 1, min(accepted + 1, requested)),
-        ):
-            if upto > first:
+        for series, upto in ((_REQUESTED, requested), (_PRODUCED, produced), (_ACCEPTED, accepted)):
+            if upto > 0:
                 d = diffs[series]
-                d[first] += unit
+                d[0] += unit
                 d[upto] -= unit
-                sums[series] += unit * (upto - first)
+                sums[series] += unit * upto
+        # (positions 2.. up to one past the last produced / accepted token)
+        sums[_AFTER_PRODUCED] += unit * (min(produced + 1, requested) - 1)
+        sums[_AFTER_ACCEPTED] += unit * (min(accepted + 1, requested) - 1)
 
     def _rescale(self) -> None:
         scale = self._scale
@@ -130,7 +130,7 @@ class DraftStats:
         """Requested, produced and accepted per position, in stored units (times
         ``_scale``: counts), expanded once per verification."""
         if self._dense is None or self._dense[0] != self.version:
-            self._dense = (self.version, [list(itertools.accumulate(d[:-1])) for d in self._diffs[:3]])
+            self._dense = (self.version, [list(itertools.accumulate(d[:-1])) for d in self._diffs])
         return self._dense[1]
 
     def count(self, series: int, m: int) -> float:
@@ -188,6 +188,15 @@ def _monotone(prod: np.ndarray, acc: np.ndarray) -> tuple[np.ndarray, np.ndarray
     can (deep positions are requested less often and lean on the prior): a running minimum."""
     prod = np.minimum(np.minimum.accumulate(prod, axis=1), 1.0)
     return prod, np.minimum(np.minimum.accumulate(acc, axis=1), prod)
+
+
+class _Idle(NamedTuple):
+    """A choice of no drafts, standing (see :attr:`DraftPolicy.recheck_every`)."""
+
+    version: int  #: the engine's statistics when it was searched
+    n: int  #: sequences decoding then
+    steps: int  #: steps it has stood
+    stands: int  #: steps it stands before it is searched again
 
 
 @dataclass
@@ -262,8 +271,7 @@ class DraftPolicy:
     #: 1 ms, a search 0.3 ms between two decodes: every 8th step, 3 % of its time)
     recheck_every: int = 8
     max_recheck_every: int = 128
-    #: (engine version, sequences, steps, steps it stands) of a choice of none
-    _idle: tuple[int, int, int, int] | None = None
+    _idle: _Idle | None = None  #: the choice of none that stands
     _prior: tuple[int, int, np.ndarray] | None = None  #: (engine version, k, priors(k) as rows)
 
     def prior(self, m: int) -> tuple[float, float]:
@@ -300,18 +308,13 @@ class DraftPolicy:
             self._idle = None
             return [s.max_k for s in seqs]
         idle, version = self._idle, self.engine.version
-        if idle is not None and idle[0] == version and n >= idle[1] and idle[2] < idle[3]:
-            self._idle = (
-                version,
-                idle[1],
-                idle[2] + 1,
-                idle[3],
-            )  # (longer catch-ups, shorter caps: still none)
+        if idle is not None and idle.version == version and n >= idle.n and idle.steps < idle.stands:
+            self._idle = idle._replace(steps=idle.steps + 1)  # (longer catch-ups, shorter caps: still none)
             ks = [0] * n
         else:
             ks = self._optimise(seqs)
-            stands = self.recheck_every if idle is None else min(2 * idle[3], self.max_recheck_every)
-            self._idle = None if any(ks) else (version, n, 1, stands)
+            stands = self.recheck_every if idle is None else min(2 * idle.stands, self.max_recheck_every)
+            self._idle = None if any(ks) else _Idle(version, n, 1, stands)
         if self.uniform:
             return ks
         for i, (k, s) in enumerate(zip(ks, seqs, strict=True)):
