@@ -167,3 +167,55 @@ def test_many_sequences_in_one_batch_attend_only_to_their_own_cells(models: Mode
         for s in range(n_seq):
             together.kv_remove(s, hist, None)
         together.kv_remove(n_seq)
+
+
+def test_a_hybrid_target_rolls_back_verifications_decoded_beside_prompt_chunks(models: ModelCache) -> None:
+    """A recurrent/hybrid target (Qwen3.5) keeps rollback snapshots (``n_rs_seq``): a step
+    that verifies drafts of different lengths beside a short prompt chunk, then rolls every
+    verification back to its accepted tokens, continues exactly as if only the accepted
+    tokens had been decoded. llama.cpp keeps each verification's rows in one ubatch, but not
+    a prompt chunk's (vendor/patches/0006): the slice that one holds back costs a ubatch."""
+    m = models("qwen35-mtp", mtp=True)
+    n_seq, hist, k = 6, 12, 4
+    rng = np.random.default_rng(11)
+    histories = [rng.integers(10, m.n_vocab, hist).tolist() for _ in range(n_seq)]
+    rows = [1 + s % (k + 1) for s in range(n_seq)]  # [last, drafts...]: 1..5 rows
+    steps = [rng.integers(10, m.n_vocab, r).tolist() for r in rows]
+    kept = [min(r, 1 + s % 2) for s, r in enumerate(rows)]  # rows that survive: up to 4 rolled back
+    nxt = rng.integers(10, m.n_vocab, n_seq).tolist()
+    prompt_seq, prompt = 3, rng.integers(10, m.n_vocab, 3).tolist()  # in the middle of the ids
+    cfg = ContextConfig(n_ctx=64 * n_seq, n_seq=n_seq, n_batch=64, kv_unified=True)
+    together = Context.create(m, cfg, n_rs_seq=k, n_outputs_max=n_seq * (k + 1), n_outputs_max_per_seq=k + 1)
+    for s in range(n_seq):
+        b = Batch()
+        b.add_sequence(histories[s], 0, s, logits="none")
+        together.decode(b)
+    b = Batch()
+    for s in range(n_seq):
+        for i, t in enumerate(steps[s]):
+            b.add(t, hist + i, s, True)
+        if s == prompt_seq:
+            b.add_sequence(prompt, hist + rows[s], s, logits="last")
+    together.decode(b)
+    for s in range(n_seq):
+        n_decoded = rows[s] + (len(prompt) if s == prompt_seq else 0)
+        if s != prompt_seq and kept[s] < rows[s]:
+            assert together.kv_remove(s, hist + kept[s], None), s  # the rejected drafts
+        else:
+            kept[s] = n_decoded  # (a prompt chunk is never rolled back)
+    b = Batch()
+    for s in range(n_seq):
+        b.add(nxt[s], hist + kept[s], s, True)
+    together.decode(b)
+    got = together.logits.copy()
+    alone = Context.create(m, ContextConfig(n_ctx=64, n_seq=1))
+    for s in range(n_seq):
+        assert alone.kv_remove(0)
+        accepted = (steps[s] + prompt)[: kept[s]] if s == prompt_seq else steps[s][: kept[s]]
+        b = Batch()
+        b.add_sequence(histories[s] + accepted + [nxt[s]], 0, 0, logits="last")
+        alone.decode(b)
+        exp = alone.logits[0]
+        np.testing.assert_allclose(
+            got[s], exp, rtol=0, atol=2e-3 * np.abs(exp).max(), err_msg=f"sequence {s}"
+        )
