@@ -244,6 +244,26 @@ def test_an_ngram_drafter_asks_every_sequence_while_its_rows_pay() -> None:
     assert bad.lengths(seqs[:2]) == [0, 2]
 
 
+def test_an_ngram_drafter_drafts_long_matches_where_one_row_costs_more_than_its_share() -> None:
+    """A CPU whose one-row kernel is another than its tiles' (Gemma 3 270M on a 2-core AMD
+    EPYC: one row 9.4 ms, two 21, eight 36): a one-token draft never pays there, a long
+    one that is mostly right does. Priced per row at the second row's cost, copying
+    answers (16-token drafts, 12 right) drafted nothing at one stream; priced on the curve
+    they draft, and one-token drafts, every one right, still do not."""
+    rows_ms = {1: 9.4, 2: 21.0, 4: 30.0, 5: 47.0, 8: 36.0, 16: 47.0, 32: 94.0}
+    cost = StepCost()
+    cost.calibrate(lambda rows, prompt: (rows_ms[rows] + 0.9 * prompt) / 1000, 64)
+    assert cost.target(2) - cost.target(1) > cost.target(1)  # (a second row: dearer than a token)
+    long = DraftPolicy(cost=cost, every_match=True)
+    for _ in range(100):
+        long.engine.record(16, 16, 12)
+    assert long.lengths([Drafting(DraftStats(), 16)]) == [16]
+    short = DraftPolicy(cost=cost, every_match=True)
+    for _ in range(100):
+        short.engine.record(16, 1, 1)
+    assert short.lengths([Drafting(DraftStats(), 16)]) == [0]
+
+
 def test_only_a_drafter_with_a_model_must_beat_no_drafts_by_the_margin() -> None:
     """Drafts the cost model prices 3 % better than none: an n-gram drafter (it costs only
     the rows it fills) drafts them, a draft model (its own cost is measured less surely)

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -272,6 +273,9 @@ class DraftPolicy:
     recheck_every: int = 8
     max_recheck_every: int = 128
     _idle: _Idle | None = None  #: the choice of none that stands
+    #: :meth:`_every_match_pays` by (n, k): (the engine's version it was priced at, pays)
+    _matching: dict[tuple[int, int], tuple[int, bool]] = field(default_factory=dict)
+    _log_ways: dict[int, np.ndarray] = field(default_factory=dict)  #: log C(n, j), j = 0..n
     _prior: tuple[int, int, np.ndarray] | None = None  #: (engine version, k, priors(k) as rows)
 
     def prior(self, m: int) -> tuple[float, float]:
@@ -304,7 +308,7 @@ class DraftPolicy:
         if self.sync is DrafterSync.STREAM and not self.gate.open:
             return [0] * len(seqs)
         n = len(seqs)
-        if self.every_match and not self.uniform and self._every_match_pays(n):
+        if self.every_match and not self.uniform and self._every_match_pays(n, max(s.max_k for s in seqs)):
             self._idle = None
             return [s.max_k for s in seqs]
         idle, version = self._idle, self.engine.version
@@ -353,19 +357,45 @@ class DraftPolicy:
             self.base_probe_every if accepted else min(2 * self.probe_every, self.max_probe_every)
         )
 
-    def _every_match_pays(self, n: int) -> bool:
-        """Whether an n-gram drafter's rows, accepted as often as they have been across the
-        engine, beat the rate of a step of ``n`` sequences without drafts: then every
-        sequence asks for its longest draft (asking costs nothing; a row appears only where
-        the n-gram matches). Matches come in episodes, not per request: a request's own
-        rates, after one rejected draft, kept it from asking when its next match came
-        (Gemma 3 270M, mixed prompts, 4 streams: 76 % of drafts accepted against 88 % when
-        every sequence asked; 1.28x off against 1.11x, medians of 3 interleaved repeats)."""
-        e = self.engine
-        accepted_per_row = (e.total(_ACCEPTED) + _FIRST_WEIGHT * _FIRST[1]) / (
-            e.total(_PRODUCED) + _FIRST_WEIGHT
-        )
-        return accepted_per_row > self._row(n) * n / self.cost.target(n) * (1.0 + self.ngram_margin)
+    def _every_match_pays(self, n: int, k: int) -> bool:
+        """Whether ``n`` sequences that all ask an n-gram drafter for up to ``k`` tokens make
+        more tokens per second than none do: every sequence then asks for its longest draft
+        (asking costs nothing; rows appear only where the n-gram matches). Matches come in
+        episodes, not per request: a request's own rates, after one rejected draft, kept it
+        from asking when its next match came (Gemma 3 270M, mixed prompts, 4 streams: 76 %
+        of drafts accepted against 88 % when every sequence asked; 1.28x off against 1.11x,
+        medians of 3 interleaved repeats).
+
+        Priced from the engine's drafts: how often a sequence's n-gram matches, how long a
+        draft it then makes, how much of it is accepted; the step time is the measured curve
+        averaged over how many sequences match at once (binomially). Not a price per row:
+        where one row with logits costs far less than two (a CPU whose one-row kernel is
+        another than its tiles': 9 ms for one row, 21 for two, 36 for eight on Gemma 3 270M),
+        a long draft pays when a one-token one never could, and pricing every row at the
+        second one's cost kept speculation off at one stream on copy-heavy prompts."""
+        # (priced again once every sequence asked about 8 times since: the engine's rates move
+        # by a few percent in that time, and pricing costs 20-40 us, a step of a tiny model 1 ms)
+        version = self.engine.version
+        known = self._matching.get((n, k))
+        if known is not None and version - known[0] < 8 * n:
+            return known[1]
+        e, w = self.engine, _FIRST_WEIGHT
+        matches = e.count(_PRODUCED, 1)
+        match = min(max((matches + w * _FIRST[0]) / (e.count(_REQUESTED, 1) + w), 1e-9), 1.0 - 1e-9)
+        length = min((e.total(_PRODUCED) + w * k) / (matches + w), float(k))  # (tokens per match)
+        accepted_per_row = (e.total(_ACCEPTED) + w * _FIRST[1]) / (e.total(_PRODUCED) + w)
+        j = np.arange(n + 1)
+        log_ways = self._log_ways.get(n)
+        if log_ways is None:
+            log_ways = self._log_ways[n] = np.array(
+                [math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) for i in j]
+            )
+        p = np.exp(log_ways + j * math.log(match) + (n - j) * math.log1p(-match))  # (j sequences match)
+        seconds = float(p @ self._costs(n, j * length, np.where(j > 0, k, 0), j, 0))
+        with_drafts = (n + n * match * length * accepted_per_row) / seconds
+        pays = with_drafts > self._value(0.0, 0.0, 0, 0, n) * (1.0 + self.ngram_margin)
+        self._matching[n, k] = (version, pays)
+        return pays
 
     def _row(self, n: int) -> float:
         """Seconds one more row adds to a step of ``n`` decoding sequences (the mean over
