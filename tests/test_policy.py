@@ -245,8 +245,8 @@ def test_an_ngram_drafter_asks_every_sequence_while_its_rows_pay() -> None:
 
 
 def test_an_ngram_drafter_drafts_long_matches_where_one_row_costs_more_than_its_share() -> None:
-    """A CPU whose one-row kernel is another than its tiles' (Gemma 3 270M on a 2-core AMD
-    EPYC: one row 9.4 ms, two 21, eight 36): a one-token draft never pays there, a long
+    """A machine where a second row with logits costs more than the first (Gemma 3 270M on a
+    2-core AMD EPYC: one row 9.4 ms, two 21, eight 36): a one-token draft never pays there, a long
     one that is mostly right does. Priced per row at the second row's cost, copying
     answers (16-token drafts, 12 right) drafted nothing at one stream; priced on the curve
     they draft, and one-token drafts, every one right, still do not."""
