@@ -302,13 +302,14 @@ class DraftPolicy:
         self.chosen, self.probed = (0.0, 0.0, 0, 0, 0), None
         if not seqs:
             return []
-        self.k_cap = max(self.k_cap, *(s.max_k for s in seqs))
+        longest = max(s.max_k for s in seqs)
+        self.k_cap = max(self.k_cap, longest)
         if not self.adaptive:
             return [s.max_k for s in seqs]
         if self.sync is DrafterSync.STREAM and not self.gate.open:
             return [0] * len(seqs)
         n = len(seqs)
-        if self.every_match and not self.uniform and self._every_match_pays(n, max(s.max_k for s in seqs)):
+        if self.every_match and not self.uniform and self._every_match_pays(n, longest):
             self._idle = None
             return [s.max_k for s in seqs]
         idle, version = self._idle, self.engine.version
@@ -370,8 +371,9 @@ class DraftPolicy:
         draft it then makes, how much of it is accepted; the step time is the measured curve
         averaged over how many sequences match at once (binomially). Not a price per row:
         where one row with logits costs far less than two (Gemma 3 270M on a 2-core AMD EPYC:
-        9.4 ms for one row, 21 for two, 36 for eight), a long draft pays when a one-token one never could, and pricing every row at the
-        second one's cost kept speculation off at one stream on copy-heavy prompts."""
+        9.4 ms for one row, 21 for two, 36 for eight), a long draft pays when a one-token one
+        never could, and pricing every row at the second one's cost kept speculation off at
+        one stream on copy-heavy prompts."""
         # (priced again once every sequence asked about 8 times since: the engine's rates move
         # by a few percent in that time, and pricing costs 20-40 us, a step of a tiny model 1 ms)
         version = self.engine.version
