@@ -82,6 +82,20 @@ def test_calibration_finds_the_tiles_and_the_prompt_cost() -> None:
     assert plain.align == 1 and abs(plain.target(40) - 0.170) < 1e-9  # linear beyond the points
 
 
+def test_calibration_measures_the_large_batches_that_drafts_make() -> None:
+    """A curve that flattens past 32 rows (as Gemma 3 270M's does) is measured there, not extrapolated from its first rows: drafting every
+    match at 16 streams makes steps of 100 rows and more."""
+
+    def seconds(rows: int, prompt: int) -> float:
+        return (10 + 3 * min(rows, 32) + 2 * max(rows - 32, 0) + 0.9 * prompt) / 1000
+
+    cost = StepCost()
+    cost.calibrate(seconds, 256)
+    for rows in (16, 32, 64, 100, 128):
+        assert abs(cost.target(rows) - seconds(rows, 0)) < 1e-9
+    assert abs(cost.target(200) / seconds(200, 0) - 1) < 0.01  # (linear beyond the last point)
+
+
 def test_the_cost_model_follows_what_steps_cost() -> None:
     cost = linear_cost(0.010, 0.004)
     for _ in range(200):
@@ -250,7 +264,7 @@ def test_an_ngram_drafter_drafts_long_matches_where_one_row_costs_more_than_its_
     one that is mostly right does. Priced per row at the second row's cost, copying
     answers (16-token drafts, 12 right) drafted nothing at one stream; priced on the curve
     they draft, and one-token drafts, every one right, still do not."""
-    rows_ms = {1: 9.4, 2: 21.0, 4: 30.0, 5: 47.0, 8: 36.0, 16: 47.0, 32: 94.0}
+    rows_ms = {1: 9.4, 2: 21.0, 4: 30.0, 5: 47.0, 8: 36.0, 16: 47.0, 32: 94.0, 64: 170.0}
     cost = StepCost()
     cost.calibrate(lambda rows, prompt: (rows_ms[rows] + 0.9 * prompt) / 1000, 64)
     assert cost.target(2) - cost.target(1) > cost.target(1)  # (a second row: dearer than a token)
