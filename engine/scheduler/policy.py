@@ -377,9 +377,9 @@ class DraftPolicy:
         9.4 ms for one row, 21 for two, 36 for eight), a long draft pays when a one-token one
         never could, and pricing every row at the second one's cost kept speculation off at
         one stream on copy-heavy prompts."""
-        # (priced again once every sequence asked about 8 times since, 32 times at least: the
-        # engine's rates move by a few percent in that time, and pricing costs 20-40 us, a
-        # step of a tiny model 1 ms)
+        # (priced again once every sequence asked about 8 times since, and 32 verifications
+        # at least: the engine's rates move by a few percent in that time, and pricing costs
+        # 20-40 us, a step of a tiny model 1 ms)
         version = self.engine.version
         known = self._matching.get((n, k))
         if known is not None and version - known[0] < max(8 * n, 32):
