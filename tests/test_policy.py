@@ -83,8 +83,9 @@ def test_calibration_finds_the_tiles_and_the_prompt_cost() -> None:
 
 
 def test_calibration_measures_the_large_batches_that_drafts_make() -> None:
-    """A curve that flattens past 32 rows (as Gemma 3 270M's does) is measured there, not extrapolated from its first rows: drafting every
-    match at 16 streams makes steps of 100 rows and more."""
+    """A curve that flattens past 32 rows (as Gemma 3 270M's does) is measured there, not
+    extrapolated from its first rows: drafting every match at 16 streams makes steps of 100
+    rows and more."""
 
     def seconds(rows: int, prompt: int) -> float:
         return (10 + 3 * min(rows, 32) + 2 * max(rows - 32, 0) + 0.9 * prompt) / 1000
@@ -278,12 +279,14 @@ def test_an_ngram_drafter_drafts_long_matches_where_one_row_costs_more_than_its_
     assert short.lengths([Drafting(DraftStats(), 16)]) == [0]
 
 
-class _Counting(dict):  # type: ignore[type-arg]
-    """A dict that counts its writes."""
+class _Counting(dict[tuple[int, int], tuple[int, bool]]):
+    """The policy's price cache, counting its writes."""
 
-    writes = 0
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes = 0
 
-    def __setitem__(self, key: object, value: object) -> None:
+    def __setitem__(self, key: tuple[int, int], value: tuple[int, bool]) -> None:
         self.writes += 1
         super().__setitem__(key, value)
 
@@ -294,13 +297,13 @@ def test_the_every_match_price_holds_while_a_request_runs_out_of_room() -> None:
     priced again for every cap (it ran on 72 % of the steps of a tiny target at one stream,
     80 us of Python on a 1.5 ms step)."""
     policy = DraftPolicy(cost=tiled_cost(), every_match=True)
-    policy._matching = _Counting()
+    policy._matching = priced = _Counting()
     stats = DraftStats()
     for step in range(64):  # (a 64-token request: its cap shrinks over its last 16 steps)
         cap = min(16, 63 - step)
         policy.lengths([Drafting(stats, cap)])
         policy.observe_verification(stats, cap, 0, 0)  # (nothing ever matches)
-    assert policy._matching.writes <= 3  # (once every 32 verifications at one stream)
+    assert priced.writes <= 3  # (once every 32 verifications at one stream)
 
 
 def test_only_a_drafter_with_a_model_must_beat_no_drafts_by_the_margin() -> None:

@@ -302,8 +302,7 @@ class DraftPolicy:
         self.chosen, self.probed = (0.0, 0.0, 0, 0, 0), None
         if not seqs:
             return []
-        longest = max(s.max_k for s in seqs)
-        self.k_cap = max(self.k_cap, longest)
+        self.k_cap = max(self.k_cap, *(s.max_k for s in seqs))
         if not self.adaptive:
             return [s.max_k for s in seqs]
         if self.sync is DrafterSync.STREAM and not self.gate.open:
