@@ -169,6 +169,38 @@ def test_many_sequences_in_one_batch_attend_only_to_their_own_cells(models: Mode
         together.kv_remove(n_seq)
 
 
+def test_a_q8_0_target_gives_every_batch_size_the_same_logits(models: ModelCache) -> None:
+    """llama.cpp's CPU kernel for Q8_0 (Q4_0, Q5_0) weights multiplies a batch's tokens in
+    tiles of four, and vendor/patches/0007 computes a partial last tile in the same sweep
+    over the weights as the whole ones: the logits of sequences decoded in batches of 5, 6,
+    7, 17, 18 and 19 rows (a partial tile of 1, 2 and 3 rows) equal, bit for bit, those of
+    the same sequences decoded four at a time."""
+    m = models("llama-q8")
+    n_seq, hist = 20, 12
+    rng = np.random.default_rng(11)
+    histories = [rng.integers(10, m.n_vocab, hist).tolist() for _ in range(n_seq)]
+    tokens = rng.integers(10, m.n_vocab, n_seq).tolist()
+    ctx = Context.create(m, ContextConfig(n_ctx=32 * n_seq, n_seq=n_seq, n_batch=512, kv_unified=True))
+    for s in range(n_seq):
+        b = Batch()
+        b.add_sequence(histories[s], 0, s, logits="none")
+        ctx.decode(b)
+
+    def step(seqs: range) -> np.ndarray:
+        b = Batch()
+        for s in seqs:
+            b.add(tokens[s], hist, s, True)
+        ctx.decode(b)
+        got = ctx.logits.copy()
+        for s in seqs:
+            ctx.kv_remove(s, hist, None)
+        return got
+
+    expected = np.concatenate([step(range(i, i + 4)) for i in range(0, n_seq, 4)])
+    for n in (5, 6, 7, 17, 18, 19):
+        np.testing.assert_array_equal(step(range(n)), expected[:n], err_msg=f"{n} rows")
+
+
 def test_a_hybrid_target_rolls_back_verifications_decoded_beside_prompt_chunks(models: ModelCache) -> None:
     """A recurrent/hybrid target (Qwen3.5) keeps rollback snapshots (``n_rs_seq``): a step
     that verifies drafts of different lengths beside a short prompt chunk, then rolls every

@@ -17,7 +17,8 @@ def linear_cost(fixed: float, per_row: float, max_rows: int = 64) -> StepCost:
 
 
 def tiled_cost(max_rows: int = 64) -> StepCost:
-    """The 2-core CPU's shape: rows in tiles of four, a partial tile costs ~a whole one."""
+    """A CPU whose rows come in tiles of four, a partial tile costing ~a whole one (the 2-core
+    AMD EPYC before vendor/patches/0007)."""
 
     def measure(rows: int, prompt: int) -> float:
         if rows < 4:

@@ -109,11 +109,13 @@ class StepCost:
     decoding sequence plus its drafts) and ``prompt`` prompt tokens without logits.
     ``draft(k, n)``: a draft call of up to ``k`` positions for ``n`` sequences.
 
-    The rows curve is measured, not assumed: on a CPU the output projection's kernels take
-    rows in tiles of four, and a partial tile costs almost a whole one (Gemma 3 270M, 2
-    cores: 16 rows 72 ms, 17 rows 89 ms, 20 rows 86 ms). So the curve is a table for the
-    first rows, then whole tiles (interpolated between measured points) plus the measured
-    price of a partial tile; ``align`` is the tile (1 where there is no such step).
+    The rows curve is measured, not assumed: on a CPU the matmul kernels may take rows in
+    tiles, and a partial tile can cost as much as a whole one or more (llama.cpp's Q8_0/Q5_0
+    kernel read every weight again for the last ``n % 4`` rows until vendor/patches/0007:
+    Gemma 3 270M, 2 cores, 16 rows 52 ms, 17 rows 67, 20 rows 62). So the curve is a table
+    for the first rows, then whole tiles (interpolated between measured points) plus the
+    measured price of a partial tile; ``align`` is the tile (1 where there is no such step,
+    as on that machine since the patch).
     """
 
     small: list[float] = field(default_factory=list)  #: seconds for 1, 2, ... rows

@@ -17,7 +17,8 @@ Layout conventions: shapes in comments are ggml ``ne`` order, numpy arrays are t
 big-vocab models ``token_embd`` is F16 (``get_rows`` converts it exactly to F32, so it does
 not affect numeric stability) while ``output`` stays F32, which keeps every target under
 ~65 MB.  What llama.cpp requires of each kind of file (metadata keys, tensor shapes) is
-noted at its writer below.
+noted at its writer below. ``llama-q8`` stores every matrix as Q8_0 (and ties its output to
+``token_embd``, as Gemma 3 does), so that tests reach the quantized CPU kernels.
 
 "Walk" models: the greedy next token after token t is sigma(t) for a fixed permutation
 sigma of WALK_N ordinary word tokens (" the"-like tokens: 'Ġ' + lowercase letters, never
@@ -59,7 +60,8 @@ VENDOR = REPO_ROOT / "vendor" / "llama.cpp"
 if str(VENDOR / "gguf-py") not in sys.path:
     sys.path.insert(0, str(VENDOR / "gguf-py"))
 
-from gguf import GGUFValueType, GGUFWriter  # noqa: E402
+from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter  # noqa: E402
+from gguf.quants import quantize  # noqa: E402
 
 STAMP_NAME = ".make_models.stamp"
 
@@ -219,7 +221,7 @@ def _write_gguf(
     path: pathlib.Path,
     arch: str,
     kv: dict[str, Any],
-    tensors: dict[str, np.ndarray],
+    tensors: dict[str, np.ndarray | _Q8_0],
     voc: Vocab | None,
     vocab_skip: tuple[str, ...] = (),
     extra_kv: Callable[[GGUFWriter], None] | None = None,
@@ -247,6 +249,9 @@ def _write_gguf(
     if extra_kv is not None:
         extra_kv(w)
     for name, arr in tensors.items():
+        if isinstance(arr, _Q8_0):
+            w.add_tensor(name, arr.data, raw_dtype=GGMLQuantizationType.Q8_0)
+            continue
         assert arr.dtype in (np.float32, np.float16, np.int64), (name, arr.dtype)
         w.add_tensor(name, np.ascontiguousarray(arr))
     w.write_header_to_file()
@@ -254,6 +259,14 @@ def _write_gguf(
     w.write_tensors_to_file()
     w.close()
     os.replace(tmp, path)
+
+
+class _Q8_0:
+    """A matrix written as Q8_0 (blocks of 32 int8 with an f16 scale, along rows)."""
+
+    def __init__(self, arr: np.ndarray) -> None:
+        assert arr.ndim == 2 and arr.shape[1] % 32 == 0, arr.shape
+        self.data = quantize(np.ascontiguousarray(arr, dtype=np.float32), GGMLQuantizationType.Q8_0)
 
 
 def _rng(name: str) -> np.random.Generator:
@@ -399,6 +412,7 @@ def _write_llama(
     head_dtype=np.float32,
     logit_std: float = LOGIT_STD,
     seed_name: str | None = None,
+    q8_0: bool = False,
 ) -> None:
     rng = _rng(seed_name or name)
     if walk is None:
@@ -409,8 +423,15 @@ def _write_llama(
         tok = walk.token_embd()
         out = walk.head(1).astype(head_dtype)
         layers = _llama_layers(rng, n_layer, n_embd, n_head, n_head_kv, n_ff, WALK_LAYER_SCALE)
-    tensors = {"token_embd.weight": tok, "output_norm.weight": _ones(n_embd), "output.weight": out}
+    tensors: dict[str, Any] = {
+        "token_embd.weight": tok,
+        "output_norm.weight": _ones(n_embd),
+        "output.weight": out,
+    }
     tensors.update(layers)
+    if q8_0:  # (the output tied to token_embd, as in Gemma 3)
+        del tensors["output.weight"]
+        tensors = {k: _Q8_0(v.astype(np.float32)) if v.ndim == 2 else v for k, v in tensors.items()}
     kv = _base_kv(n_layer, n_embd, n_head, n_head_kv, n_ff)
     kv["{arch}.vocab_size"] = voc.n_vocab
     _write_gguf(path, "llama", kv, tensors, voc)
@@ -762,6 +783,7 @@ def _builders() -> dict[str, Callable[[pathlib.Path], None]]:
     return {
         # targets and drafts
         "llama": lambda p: _write_llama(p, "llama", L()),
+        "llama-q8": lambda p: _write_llama(p, "llama-q8", L(), q8_0=True),
         "gemma3-swa": lambda p: _write_gemma3(p, "gemma3-swa", L()),
         # softer logits (std 8): at temperature 1 a handful of tokens share the mass
         "llama-soft": lambda p: _write_llama(p, "llama-soft", L(), logit_std=8.0),
