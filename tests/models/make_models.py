@@ -423,18 +423,14 @@ def _write_llama(
         tok = walk.token_embd()
         out = walk.head(1).astype(head_dtype)
         layers = _llama_layers(rng, n_layer, n_embd, n_head, n_head_kv, n_ff, WALK_LAYER_SCALE)
-    tensors: dict[str, Any] = {
-        "token_embd.weight": tok,
-        "output_norm.weight": _ones(n_embd),
-        "output.weight": out,
-    }
+    tensors = {"token_embd.weight": tok, "output_norm.weight": _ones(n_embd), "output.weight": out}
     tensors.update(layers)
     if q8_0:  # (the output tied to token_embd, as in Gemma 3)
         del tensors["output.weight"]
-        tensors = {k: _Q8_0(v.astype(np.float32)) if v.ndim == 2 else v for k, v in tensors.items()}
+    written = {k: _Q8_0(v) if q8_0 and v.ndim == 2 else v for k, v in tensors.items()}
     kv = _base_kv(n_layer, n_embd, n_head, n_head_kv, n_ff)
     kv["{arch}.vocab_size"] = voc.n_vocab
-    _write_gguf(path, "llama", kv, tensors, voc)
+    _write_gguf(path, "llama", kv, written, voc)
 
 
 # ---- gemma3 (sliding-window attention) ------------------------------------------------
