@@ -3,13 +3,11 @@
 #include "json-schema-to-grammar.h"
 #include "json.h"
 
+#include "argmax.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
-
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
 
 namespace engine {
 
@@ -139,54 +137,6 @@ void SequenceSampler::replay(const std::vector<llama_token> & prompt, const std:
     for (llama_token t : prompt) common_sampler_accept(chain_.get(), t, false);
     for (llama_token t : generated) common_sampler_accept(chain_.get(), t, true);
 }
-
-namespace {
-
-// The index of the largest logit: the first on ties, NaN never chosen, 0 when nothing beats
-// -inf; what a scalar `if (x[t] > best)` scan returns. Verification reads a whole row of logits
-// per sequence and draft (1 MB on Gemma 3's vocabulary), which that scan took 0.2 ms for: 5 % of
-// a 64-sequence step. Here one vector pass finds the first block holding the maximum, and a scan
-// of that block finds its index.
-llama_token first_argmax(const float * x, int32_t n) {
-    float best = -std::numeric_limits<float>::infinity();
-    int32_t i = 0;
-    int32_t best_block = -1;
-#if defined(__SSE2__)
-    constexpr int32_t block = 64;
-    for (; i + block <= n; i += block) {
-        // max(x, acc) is acc where x is NaN, so NaN never enters the accumulators
-        __m128 a0 = _mm_set1_ps(best), a1 = a0, a2 = a0, a3 = a0;
-        for (int32_t j = i; j < i + block; j += 16) {
-            a0 = _mm_max_ps(_mm_loadu_ps(x + j), a0);
-            a1 = _mm_max_ps(_mm_loadu_ps(x + j + 4), a1);
-            a2 = _mm_max_ps(_mm_loadu_ps(x + j + 8), a2);
-            a3 = _mm_max_ps(_mm_loadu_ps(x + j + 12), a3);
-        }
-        __m128 m = _mm_max_ps(_mm_max_ps(a0, a1), _mm_max_ps(a2, a3));
-        m = _mm_max_ps(m, _mm_shuffle_ps(m, m, _MM_SHUFFLE(1, 0, 3, 2)));
-        m = _mm_max_ps(m, _mm_shuffle_ps(m, m, _MM_SHUFFLE(2, 3, 0, 1)));
-        const float block_max = _mm_cvtss_f32(m);
-        if (block_max > best) {
-            best = block_max;
-            best_block = i;
-        }
-    }
-#endif
-    llama_token arg = 0;
-    if (best_block >= 0) {
-        while (x[best_block] != best) ++best_block;
-        arg = best_block;
-    }
-    for (; i < n; ++i) {
-        if (x[i] > best) {
-            best = x[i];
-            arg = i;
-        }
-    }
-    return arg;
-}
-
-}  // namespace
 
 llama_token SequenceSampler::argmax(const float * logits) const {
     const llama_token best = first_argmax(logits, n_vocab_);
