@@ -61,15 +61,27 @@ def config(
     )  # type: ignore[arg-type]
 
 
-async def assert_kv_accounted(engine: Engine) -> None:
-    """Between steps, every sequence's KV cache is empty or holds a cached sequence the
-    prefix index knows (the sequence of a request that ended, kept for reuse)."""
-    positions = await engine.kv_positions()
+async def assert_kv_accounted(engine: Engine, timeout: float = 5.0) -> None:
+    """Once the engine is idle, every sequence's KV cache is empty or holds a cached sequence
+    the prefix index knows (the sequence of a request that ended, kept for reuse). Polled: a
+    request's result reaches its caller before the step that clears its slot runs, and the
+    caller may read the cache first; a sequence left behind stays and fails the check."""
     scheduler = engine._scheduler
     assert scheduler is not None
-    held = scheduler.slots.cache.held() if scheduler.slots.cache is not None else {}
-    for seq, pos in enumerate(positions):
-        assert pos >= held[seq] - 1 if seq in held else pos == -1, (seq, pos, held)
+    wrong: list[tuple[int, int, dict[int, int]]] = []
+    with anyio.move_on_after(timeout):
+        while True:
+            positions = await engine.kv_positions()
+            held = scheduler.slots.cache.held() if scheduler.slots.cache is not None else {}
+            wrong = [
+                (seq, pos, held)
+                for seq, pos in enumerate(positions)
+                if not (pos >= held[seq] - 1 if seq in held else pos == -1)
+            ]
+            if not wrong:
+                return
+            await anyio.sleep(0.01)
+    assert not wrong, wrong
 
 
 async def wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
