@@ -2,8 +2,11 @@
 // tests/test_argmax.py can compile it alone and check it against a scalar scan.
 #pragma once
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -51,6 +54,26 @@ inline int32_t first_argmax(const float * x, int32_t n) {
             best = x[i];
             arg = i;
         }
+    }
+    return arg;
+}
+
+// first_argmax over the tokens not in `skip` (sorted): the best of the runs between them, the
+// first on ties; what the scalar scan returns when it passes over the skipped tokens.
+inline int32_t first_argmax_without(const float * x, int32_t n, const std::vector<int32_t> & skip) {
+    int32_t arg = 0;
+    float best = -std::numeric_limits<float>::infinity();
+    int32_t from = 0;
+    for (size_t i = 0; i <= skip.size(); ++i) {
+        const int32_t to = i < skip.size() ? std::min(skip[i], n) : n;
+        if (to > from) {
+            const int32_t t = from + first_argmax(x + from, to - from);
+            if (x[t] > best) {
+                best = x[t];
+                arg = t;
+            }
+        }
+        from = std::max(from, to + 1);
     }
     return arg;
 }

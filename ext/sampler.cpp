@@ -142,15 +142,7 @@ llama_token SequenceSampler::argmax(const float * logits) const {
     const llama_token best = first_argmax(logits, n_vocab_);
     if (!(ignore_eos_ && std::binary_search(eog_.begin(), eog_.end(), best))) return best;
     // the same token as the greedy chain, whose logit bias removes EOG under ignore_eos
-    llama_token arg = 0;
-    float best_v = -std::numeric_limits<float>::infinity();
-    for (llama_token t = 0; t < n_vocab_; ++t) {
-        if (logits[t] > best_v && !std::binary_search(eog_.begin(), eog_.end(), t)) {
-            best_v = logits[t];
-            arg = t;
-        }
-    }
-    return arg;
+    return first_argmax_without(logits, n_vocab_, eog_);
 }
 
 std::vector<llama_token> SequenceSampler::verify(llama_context * ctx, const std::vector<int> & rows,

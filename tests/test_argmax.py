@@ -1,5 +1,5 @@
-"""The vectorised argmax of greedy verification (``ext/argmax.h``) against the scalar scan it
-replaced, compiled alone: the test models' vocabularies are multiples of its 64-float block
+"""The vectorised argmax of greedy verification (``ext/argmax.h``), with and without the
+end-of-generation tokens, against the scalar scan it replaced, compiled alone: the test models' vocabularies are multiples of its 64-float block
 (no tail) and their logits hold no NaN or infinities, so the engine tests do not reach those
 cases."""
 
@@ -16,6 +16,7 @@ EXT = Path(__file__).resolve().parent.parent / "ext"
 CHECK = r"""
 #include "argmax.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <random>
@@ -33,6 +34,18 @@ static int32_t scalar(const float * x, int32_t n) {
     return arg;
 }
 
+static int32_t scalar_without(const float * x, int32_t n, const std::vector<int32_t> & skip) {
+    float best = -INFINITY;
+    int32_t arg = 0;
+    for (int32_t t = 0; t < n; ++t) {
+        if (x[t] > best && !std::binary_search(skip.begin(), skip.end(), t)) {
+            best = x[t];
+            arg = t;
+        }
+    }
+    return arg;
+}
+
 int main() {
     std::mt19937 rng(7);
     int bad = 0, cases = 0;
@@ -40,6 +53,10 @@ int main() {
         ++cases;
         const int32_t n = static_cast<int32_t>(x.size());
         if (engine::first_argmax(x.data(), n) != scalar(x.data(), n)) ++bad;
+        std::vector<int32_t> skip(rng() % 4);  // sorted, maybe repeated, maybe past the end
+        for (int32_t & t : skip) t = static_cast<int32_t>(rng() % (n + 2));
+        std::sort(skip.begin(), skip.end());
+        if (engine::first_argmax_without(x.data(), n, skip) != scalar_without(x.data(), n, skip)) ++bad;
     };
     for (int it = 0; it < 100000; ++it) {
         std::vector<float> x(1 + rng() % 400);
