@@ -201,6 +201,38 @@ def test_a_q8_0_target_gives_every_batch_size_the_same_logits(models: ModelCache
         np.testing.assert_array_equal(step(range(n)), expected[:n], err_msg=f"{n} rows")
 
 
+def test_an_f32_target_gives_the_same_logits_on_one_thread_and_two(models: ModelCache) -> None:
+    """llama.cpp's CPU kernel for F32 weights (llamafile's tinyBLAS) deals its jobs, blocks
+    of the output, round robin to the threads (vendor/patches/0008; it drew them from a
+    shared counter): every block is computed, each by the same instructions whichever
+    thread takes it, so a prompt's logits with two threads equal, bit for bit, those with
+    one (decoded beside one-token rows of other sequences: every matmul has several jobs
+    per thread). Only the prompt's rows are compared: a one-token row attending to its
+    sequence's cache may round differently with the thread count (1 of 8 rows here did,
+    before the patch as after)."""
+    m = models("llama")
+    n_seq, hist = 8, 12
+    rng = np.random.default_rng(5)
+    histories = [rng.integers(10, m.n_vocab, hist).tolist() for _ in range(n_seq)]
+    chunk = rng.integers(10, m.n_vocab, 40).tolist()
+
+    def logits(threads: int) -> np.ndarray:
+        cfg = ContextConfig(n_ctx=64 * (n_seq + 1), n_seq=n_seq + 1, n_batch=512, threads=threads, kv_unified=True)
+        ctx = Context.create(m, cfg)
+        b = Batch()
+        for s in range(n_seq):
+            b.add_sequence(histories[s], 0, s, logits="none")
+        ctx.decode(b)
+        b = Batch()
+        for s in range(n_seq):
+            b.add(histories[s][0], hist, s, True)
+        b.add_sequence(chunk, 0, n_seq, logits="all")
+        ctx.decode(b)
+        return ctx.logits.copy()
+
+    np.testing.assert_array_equal(logits(2)[n_seq:], logits(1)[n_seq:])
+
+
 def test_a_hybrid_target_rolls_back_verifications_decoded_beside_prompt_chunks(models: ModelCache) -> None:
     """A recurrent/hybrid target (Qwen3.5) keeps rollback snapshots (``n_rs_seq``): a step
     that verifies drafts of different lengths beside a short prompt chunk, then rolls every
