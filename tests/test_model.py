@@ -217,7 +217,9 @@ def test_an_f32_target_gives_the_same_logits_on_one_thread_and_two(models: Model
     chunk = rng.integers(10, m.n_vocab, 40).tolist()
 
     def logits(threads: int) -> np.ndarray:
-        cfg = ContextConfig(n_ctx=64 * (n_seq + 1), n_seq=n_seq + 1, n_batch=512, threads=threads, kv_unified=True)
+        cfg = ContextConfig(
+            n_ctx=64 * (n_seq + 1), n_seq=n_seq + 1, n_batch=512, threads=threads, kv_unified=True
+        )
         ctx = Context.create(m, cfg)
         b = Batch()
         for s in range(n_seq):
