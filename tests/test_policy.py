@@ -280,7 +280,7 @@ def test_an_ngram_drafter_drafts_long_matches_where_one_row_costs_more_than_its_
     assert short.lengths([Drafting(DraftStats(), 16)]) == [0]
 
 
-class _Counting(dict[tuple[int, int], tuple[int, bool]]):
+class _Counting(dict[tuple[int, int], tuple[int, int, bool]]):
     """The policy's price cache, counting its writes."""
 
     def __init__(self) -> None:
@@ -315,8 +315,10 @@ def test_the_every_match_price_lives_longer_while_nothing_matches() -> None:
     policy = DraftPolicy(cost=tiled_cost(), every_match=True)
     policy._matching = priced = _Counting()
     seqs = [Drafting(DraftStats(), 16) for _ in range(4)]
-    for _ in range(64):  # 256 verifications: priced once (32 each for 4 sequences: 8 times)
-        for s, k in zip(seqs, policy.lengths(seqs), strict=True):
+    for _ in range(64):  # 256 verifications without a match: priced once (at the usual life
+        ks = policy.lengths(seqs)  # of 32 verifications: 8 times)
+        assert ks == [16] * 4  # (every sequence asks)
+        for s, k in zip(seqs, ks, strict=True):
             policy.observe_verification(s.stats, k, 0, 0)
     assert priced.writes == 1
     for step in range(16):  # one match now and then: the usual life, 32 verifications
