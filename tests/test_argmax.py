@@ -1,7 +1,7 @@
 """The vectorised argmax of greedy verification (``ext/argmax.h``), with and without the
-end-of-generation tokens, against the scalar scan it replaced, compiled alone: the test models' vocabularies are multiples of its 64-float block
-(no tail) and their logits hold no NaN or infinities, so the engine tests do not reach those
-cases."""
+end-of-generation tokens, against the scalar scan it replaced, compiled alone: the test
+models' vocabularies are multiples of its 64-float block (no tail) and their logits hold no
+NaN or infinities, so the engine tests do not reach those cases."""
 
 from __future__ import annotations
 

@@ -275,6 +275,9 @@ class DraftPolicy:
     #: 1 ms, a search 0.3 ms between two decodes: every 8th step, 3 % of its time)
     recheck_every: int = 8
     max_recheck_every: int = 128
+    #: how many times longer the price of drafting every match stands while no n-gram has
+    #: matched since it was computed (see :meth:`_every_match_pays`)
+    unmatched_life: int = 8
     _idle: _Idle | None = None  #: the choice of none that stands
     #: :meth:`_every_match_pays` by (n, k): (the engine's version and matches it was priced
     #: at, pays)
@@ -384,12 +387,13 @@ class DraftPolicy:
         # at least: the engine's rates move by a few percent in that time, and pricing costs
         # 20-40 us, 0.3 ms between two decodes, a step of a tiny model 1-4 ms. While no
         # n-gram has matched since, the rates have only decayed towards no match, and asking
-        # costs no rows: the price is kept 8 times as long. A drafter with nothing to draft
-        # at 4 streams was priced on 17 % of the steps, 53 us of Python a step of 3.7 ms)
+        # costs no rows: the price stands ``unmatched_life`` times as long. A drafter with
+        # nothing to draft at 4 streams was priced on 17 % of the steps, 53 us of Python a
+        # step of 3.7 ms)
         e, version = self.engine, self.engine.version
         known = self._matching.get((n, k))
         if known is not None:
-            life = max(8 * n, 32) * (1 if e.matched != known[1] else 8)
+            life = max(8 * n, 32) * (1 if e.matched != known[1] else self.unmatched_life)
             if version - known[0] < life:
                 return known[2]
         w = _FIRST_WEIGHT
