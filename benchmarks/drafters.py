@@ -14,7 +14,10 @@ almost never (on the tiny random-weight models of ``tests/models``, written on f
   repeats a 4-token key: nothing to draft, what speculation on costs when it finds nothing.
 
 N closed-loop streams (``engine.bench.closed_loop``), greedy, interleaved repeats (off, on,
-off, on, ...); prints the median ratio [min, max] per scenario and N, and writes JSON.
+off, on, ...); prints the median ratio [min, max] per scenario and N, and writes JSON. A tiny
+target generates a 64-token request in about 0.1 s, so a run sends 16N requests (at least 32):
+with ``engine.bench``'s 4N the steady window lasted well under a second and one burst of
+machine noise moved a run by 20 %.
 
     python benchmarks/drafters.py [--streams 1,4,16] [--repeats 3] [--json FILE]
 """
@@ -30,7 +33,7 @@ from pathlib import Path
 import anyio
 
 from engine import EngineConfig, SpeculativeConfig
-from engine.bench import BenchResult, default_requests, run_load, speedups
+from engine.bench import BenchResult, run_load, speedups
 from engine.cli import DEFAULT_N_DRAFT, DEFAULT_NGRAM_N
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,6 +51,10 @@ SCENARIOS = [
     ("mtp, almost never", "qwen35-mtp", "mtp", None),
     ("n-gram, nothing to draft", "walk-llama", "ngram-simple", None),
 ]
+
+
+def requests_per_run(n_streams: int) -> int:
+    return max(16 * n_streams, 32)
 
 
 def config(
@@ -80,7 +87,7 @@ async def main(args: argparse.Namespace) -> int:
                     r = await run_load(
                         config(paths, target, s, draft, n, args),
                         n,
-                        args.requests or default_requests(n),
+                        args.requests or requests_per_run(n),
                         args.max_tokens,
                         prompts,
                     )
@@ -114,7 +121,7 @@ def markdown(report: list[dict[str, object]], args: argparse.Namespace) -> str:
         "# Drafters on the tiny models: speculation on ÷ off",
         "",
         f"`python benchmarks/drafters.py {' '.join(sys.argv[1:])}`: {args.threads} threads, "
-        f"{args.max_tokens} tokens per request, greedy, {args.requests or '4N (at least 8)'} requests per N, "
+        f"{args.max_tokens} tokens per request, greedy, {args.requests or '16N (at least 32)'} requests per N, "
         f"median of {args.repeats} interleaved repeats [min, max]. The tiny targets decode a step "
         "in 1–4 ms, so a drafter's own work (its decode of the batch, the target's hidden states "
         "it reads) weighs as much as the target itself: the draft policy measures it at start "
@@ -138,7 +145,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--streams", default="1,4,16")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--requests", type=int, help="requests per N (default 4N, at least 8)")
+    ap.add_argument("--requests", type=int, help="requests per N (default 16N, at least 32)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--n-draft", type=int, default=DEFAULT_N_DRAFT)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
