@@ -280,14 +280,14 @@ def test_an_ngram_drafter_drafts_long_matches_where_one_row_costs_more_than_its_
     assert short.lengths([Drafting(DraftStats(), 16)]) == [0]
 
 
-class _Counting(dict[tuple[int, int], tuple[int, int, bool]]):
+class _Counting(dict[tuple[int, int], tuple[int, int, int, bool]]):
     """The policy's price cache, counting its writes."""
 
     def __init__(self) -> None:
         super().__init__()
         self.writes = 0
 
-    def __setitem__(self, key: tuple[int, int], value: tuple[int, int, bool]) -> None:
+    def __setitem__(self, key: tuple[int, int], value: tuple[int, int, int, bool]) -> None:
         self.writes += 1
         super().__setitem__(key, value)
 
@@ -325,6 +325,27 @@ def test_the_every_match_price_lives_longer_while_nothing_matches() -> None:
         for i, (s, k) in enumerate(zip(seqs, policy.lengths(seqs), strict=True)):
             policy.observe_verification(s.stats, k, int(i == 0 and step % 4 == 0), 0)
     assert 2 <= priced.writes <= 3
+
+
+def test_a_drafter_whose_drafts_turn_bad_is_priced_again_at_the_next_step() -> None:
+    """A drafter's drafts accepted in full, then hardly at all (ngram-cache on a copy-heavy
+    prompt, one stream): while drafts are accepted the price of drafting every match
+    stands for 32 verifications, after a rejection for one step, so drafting stops as soon
+    as the engine's rates say it no longer pays, not 32 costly steps later."""
+    policy = DraftPolicy(cost=tiled_cost(), every_match=True)
+    policy._matching = priced = _Counting()
+    seq = Drafting(DraftStats(), 8)
+    for _ in range(6):  # good drafts: priced once
+        assert policy.lengths([seq]) == [8]
+        policy.observe_verification(seq.stats, 8, 8, 8)
+    assert priced.writes == 1
+    for bad in range(1, 33):  # then one token of eight accepted
+        ks = policy.lengths([seq])
+        assert priced.writes == bad  # (priced again at every step after a rejection)
+        if ks != [8]:
+            break
+        policy.observe_verification(seq.stats, 8, 8, 1)
+    assert bad <= 13  # 12 bad drafts (the price standing for 32 verifications: 26 and more)
 
 
 def test_only_a_drafter_with_a_model_must_beat_no_drafts_by_the_margin() -> None:
