@@ -33,7 +33,7 @@ from pathlib import Path
 import anyio
 
 from engine import EngineConfig, SpeculativeConfig
-from engine.bench import BenchResult, run_load, speedups
+from engine.bench import BenchResult, default_requests, run_load, speedups
 from engine.cli import DEFAULT_N_DRAFT, DEFAULT_NGRAM_N
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,10 +51,6 @@ SCENARIOS = [
     ("mtp, almost never", "qwen35-mtp", "mtp", None),
     ("n-gram, nothing to draft", "walk-llama", "ngram-simple", None),
 ]
-
-
-def requests_per_run(n_streams: int) -> int:
-    return max(16 * n_streams, 32)
 
 
 def config(
@@ -87,7 +83,7 @@ async def main(args: argparse.Namespace) -> int:
                     r = await run_load(
                         config(paths, target, s, draft, n, args),
                         n,
-                        args.requests or requests_per_run(n),
+                        args.requests or 4 * default_requests(n),  # (16N, at least 32)
                         args.max_tokens,
                         prompts,
                     )

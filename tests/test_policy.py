@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 
 from engine.scheduler.cost import StepCost
-from engine.scheduler.policy import DrafterSync, Drafting, DraftPolicy, DraftStats
+from engine.scheduler.policy import DrafterSync, Drafting, DraftPolicy, DraftStats, _Price
 
 
 def linear_cost(fixed: float, per_row: float, max_rows: int = 64) -> StepCost:
@@ -280,14 +280,14 @@ def test_an_ngram_drafter_drafts_long_matches_where_one_row_costs_more_than_its_
     assert short.lengths([Drafting(DraftStats(), 16)]) == [0]
 
 
-class _Counting(dict[tuple[int, int], tuple[int, int, int, bool]]):
+class _Counting(dict[tuple[int, int], _Price]):
     """The policy's price cache, counting its writes."""
 
     def __init__(self) -> None:
         super().__init__()
         self.writes = 0
 
-    def __setitem__(self, key: tuple[int, int], value: tuple[int, int, int, bool]) -> None:
+    def __setitem__(self, key: tuple[int, int], value: _Price) -> None:
         self.writes += 1
         super().__setitem__(key, value)
 

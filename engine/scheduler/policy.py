@@ -197,6 +197,15 @@ def _monotone(prod: np.ndarray, acc: np.ndarray) -> tuple[np.ndarray, np.ndarray
     return prod, np.minimum(np.minimum.accumulate(acc, axis=1), prod)
 
 
+class _Price(NamedTuple):
+    """Whether drafting every match pays, as priced (see :meth:`DraftPolicy._every_match_pays`)."""
+
+    version: int  #: the engine's verifications when it was priced
+    matched: int  #: of those, the ones in which the drafter produced a token
+    rejected: int  #: and the ones in which the target rejected a drafted token
+    pays: bool
+
+
 class _Idle(NamedTuple):
     """A choice of no drafts, standing (see :attr:`DraftPolicy.recheck_every`)."""
 
@@ -282,9 +291,7 @@ class DraftPolicy:
     #: matched since it was computed (see :meth:`_every_match_pays`)
     unmatched_life: int = 8
     _idle: _Idle | None = None  #: the choice of none that stands
-    #: :meth:`_every_match_pays` by (n, k): (the engine's version, matches and rejections it
-    #: was priced at, pays)
-    _matching: dict[tuple[int, int], tuple[int, int, int, bool]] = field(default_factory=dict)
+    _matching: dict[tuple[int, int], _Price] = field(default_factory=dict)  #: by (n, k)
     _log_ways: dict[int, np.ndarray] = field(default_factory=dict)  #: log C(n, j), j = 0..n
     _prior: tuple[int, int, np.ndarray] | None = None  #: (engine version, k, priors(k) as rows)
 
@@ -394,18 +401,18 @@ class DraftPolicy:
         # nothing to draft at 4 streams was priced on 17 % of the steps, 53 us of Python a
         # step of 3.7 ms. Once the target rejected a draft since, the price stands for one
         # step: a drafter whose drafts turn bad pays rows for each step it keeps asking.
-        # ngram-cache on copy-heavy prompts, Gemma 3 270M, one stream: its first drafts were
-        # accepted in full, the next 30 drafts of 8 tokens (49 ms steps against 11) about
-        # one token each, 0.88x of speculation off)
+        # ngram-cache on copy-heavy prompts, Gemma 3 270M, one stream: its first five
+        # drafts were accepted in full, the next 25 (49 ms steps against 11) about one
+        # token each, 0.88x of speculation off)
         e, version = self.engine, self.engine.version
         known = self._matching.get((n, k))
         if known is not None:
-            if e.rejected != known[2]:
+            if e.rejected != known.rejected:
                 life = n
             else:
-                life = max(8 * n, 32) * (1 if e.matched != known[1] else self.unmatched_life)
-            if version - known[0] < life:
-                return known[3]
+                life = max(8 * n, 32) * (1 if e.matched != known.matched else self.unmatched_life)
+            if version - known.version < life:
+                return known.pays
         w = _FIRST_WEIGHT
         matches = e.count(_PRODUCED, 1)
         match = min(max((matches + w * _FIRST[0]) / (e.count(_REQUESTED, 1) + w), 1e-9), 1.0 - 1e-9)
@@ -421,7 +428,7 @@ class DraftPolicy:
         seconds = float(p @ self._costs(n, j * length, np.where(j > 0, k, 0), j, 0))
         with_drafts = (n + n * match * length * accepted_per_row) / seconds
         pays = with_drafts > self._value(0.0, 0.0, 0, 0, n) * (1.0 + self.ngram_margin)
-        self._matching[n, k] = (version, e.matched, e.rejected, pays)
+        self._matching[n, k] = _Price(version, e.matched, e.rejected, pays)
         return pays
 
     def _row(self, n: int) -> float:
