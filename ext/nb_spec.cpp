@@ -1,6 +1,7 @@
 // engine._nb_spec: bindings only. The logic lives in executor.cpp, model.cpp, sampler.cpp,
 // spec_session.cpp and step.cpp; here every native operation becomes a job for the
 // runtime's native thread, and results and errors are converted on the calling thread.
+#include "chat_template.h"
 #include "executor.h"
 #include "model.h"
 #include "sampler.h"
@@ -207,6 +208,12 @@ struct ContextHandle : Handle<Context> {
 
 struct RunnerHandle : Handle<StepRunner> {};
 
+struct ChatTemplateHandle : Handle<ChatTemplate> {
+    std::string name, source;
+    bool jinja = true;
+    std::map<std::string, bool> caps;
+};
+
 struct SessionHandle : Handle<SpecSession> {
     SpecConfig config;
     nb::object target_ref, draft_ref;
@@ -276,7 +283,91 @@ nb::dict state_sections(const SequenceState & s) {
     return d;
 }
 
-using Messages = std::vector<std::pair<std::string, std::string>>;
+
+// --- chat: templates (native thread) and output parsers (any thread) ----------------------
+void bind_chat(nb::module_ & m) {
+    nb::class_<ChatTrigger>(m, "ChatTrigger")
+        .def(nb::init<>())
+        .def_rw("type", &ChatTrigger::type)
+        .def_rw("value", &ChatTrigger::value)
+        .def_rw("token", &ChatTrigger::token);
+    nb::class_<ChatGrammar>(m, "ChatGrammar", "What a chat template asks of the sampler (tool calls).")
+        .def(nb::init<>())
+        .def_rw("grammar", &ChatGrammar::grammar)
+        .def_rw("lazy", &ChatGrammar::lazy)
+        .def_rw("triggers", &ChatGrammar::triggers)
+        .def_rw("preserved_tokens", &ChatGrammar::preserved_tokens)
+        .def_rw("generation_prompt", &ChatGrammar::generation_prompt)
+        .def_rw("thinking_start", &ChatGrammar::thinking_start)
+        .def_rw("thinking_end", &ChatGrammar::thinking_end);
+    nb::class_<ChatInputs>(m, "ChatInputs")
+        .def(nb::init<>())
+        .def_rw("messages", &ChatInputs::messages)
+        .def_rw("tools", &ChatInputs::tools)
+        .def_rw("tool_choice", &ChatInputs::tool_choice)
+        .def_rw("parallel_tool_calls", &ChatInputs::parallel_tool_calls)
+        .def_rw("add_generation_prompt", &ChatInputs::add_generation_prompt)
+        .def_rw("continue_final_message", &ChatInputs::continue_final_message)
+        .def_rw("template_kwargs", &ChatInputs::template_kwargs)
+        .def_rw("json_schema", &ChatInputs::json_schema)
+        .def_rw("enable_thinking", &ChatInputs::enable_thinking)
+        .def_rw("parse_reasoning", &ChatInputs::parse_reasoning);
+    nb::class_<ChatPrompt>(m, "ChatPrompt")
+        .def_ro("prompt", &ChatPrompt::prompt)
+        .def_ro("grammar", &ChatPrompt::grammar)
+        .def_ro("stops", &ChatPrompt::stops)
+        .def_ro("format", &ChatPrompt::format)
+        .def_ro("supports_thinking", &ChatPrompt::supports_thinking)
+        .def_ro("parse_tool_calls", &ChatPrompt::parse_tool_calls)
+        .def_ro("parse_reasoning", &ChatPrompt::parse_reasoning)
+        .def_ro("is_continuation", &ChatPrompt::is_continuation);
+
+    nb::class_<ChatTemplateHandle>(m, "ChatTemplate", "A model's chat template, through llama.cpp's chat module.")
+        .def_static("create", [](ModelHandle & model, const std::string & override_src, const std::string & builtin) {
+                auto h = std::make_shared<ChatTemplateHandle>();
+                auto ex = model.ex;
+                run_sync(model.executor(), [ex, h_raw = h.get(), &model, override_src, builtin] {
+                    auto t = std::make_shared<ChatTemplate>(model.lock(), override_src, builtin);
+                    h_raw->name = t->name();
+                    h_raw->source = t->source();
+                    h_raw->jinja = t->jinja();
+                    h_raw->caps = t->caps();
+                    h_raw->adopt(ex, t);
+                });
+                return h;
+            }, "model"_a, "override"_a = "", "builtin"_a = "")
+        .def_prop_ro("name", [](const ChatTemplateHandle & h) { return h.name; })
+        .def_prop_ro("source", [](const ChatTemplateHandle & h) { return h.source; })
+        .def_prop_ro("jinja", [](const ChatTemplateHandle & h) { return h.jinja; })
+        .def_prop_ro("caps", [](const ChatTemplateHandle & h) { return h.caps; })
+        .def("render", &Bound<ChatTemplateHandle, &ChatTemplate::render>::call, "inputs"_a)
+        .def("render_async", [](ChatTemplateHandle & h, const ChatInputs & in) {
+                return run_async(h.executor(), [weak = h.weak, in] { return lock_weak(weak)->render(in); });
+            }, "inputs"_a);
+
+    nb::class_<ToolCallDelta>(m, "ToolCallDelta")
+        .def_ro("index", &ToolCallDelta::index)
+        .def_ro("id", &ToolCallDelta::id)
+        .def_ro("name", &ToolCallDelta::name)
+        .def_ro("arguments", &ToolCallDelta::arguments);
+    nb::class_<ChatDelta>(m, "ChatDelta")
+        .def_ro("reasoning", &ChatDelta::reasoning)
+        .def_ro("content", &ChatDelta::content)
+        .def_ro("tool_calls", &ChatDelta::tool_calls);
+    nb::class_<ToolCall>(m, "ToolCall")
+        .def_ro("id", &ToolCall::id)
+        .def_ro("name", &ToolCall::name)
+        .def_ro("arguments", &ToolCall::arguments);
+    nb::class_<ChatMessage>(m, "ChatMessage")
+        .def_ro("content", &ChatMessage::content)
+        .def_ro("reasoning", &ChatMessage::reasoning)
+        .def_ro("tool_calls", &ChatMessage::tool_calls);
+    // strings in, strings out: no llama.cpp object, so it runs on the caller's thread
+    nb::class_<ChatParser>(m, "ChatParser", "Reads one request's output as the template's format.")
+        .def(nb::init<const ChatPrompt &>(), "prompt"_a)
+        .def("update", &ChatParser::update, "text"_a, "final"_a = false, nb::call_guard<nb::gil_scoped_release>())
+        .def("message", &ChatParser::message);
+}
 
 }  // namespace
 
@@ -393,15 +484,7 @@ NB_MODULE(_nb_spec, m) {
             "Bytes, which may end inside a multi-byte UTF-8 character.")
         .def("token_to_piece", [](ModelHandle & h, int32_t token, bool special) {
                 return to_bytes(Bound<ModelHandle, &Model::token_to_piece>::call(h, token, special));
-            }, "token"_a, "special"_a = false)
-        .def("apply_chat_template", &Bound<ModelHandle, &Model::apply_chat_template>::call,
-             "messages"_a, "add_assistant"_a = true, "template"_a = "")
-        .def("apply_chat_template_async", [](ModelHandle & h, const Messages & msgs, bool add_assistant,
-                                             const std::string & tmpl) {
-                return run_async(h.executor(), [weak = h.weak, msgs, add_assistant, tmpl] {
-                    return lock_weak(weak)->apply_chat_template(msgs, add_assistant, tmpl);
-                });
-            }, "messages"_a, "add_assistant"_a = true, "template"_a = "");
+            }, "token"_a, "special"_a = false);
 
     // --- context ------------------------------------------------------------------------
     nb::enum_<ContextKind>(m, "ContextKind")
@@ -612,9 +695,14 @@ NB_MODULE(_nb_spec, m) {
         .def_rw("grammar", &SamplerParams::grammar)
         .def_rw("json_schema", &SamplerParams::json_schema)
         .def_rw("logit_bias", &SamplerParams::logit_bias)
-        .def_rw("n_logprobs", &SamplerParams::n_logprobs);
+        .def_rw("n_logprobs", &SamplerParams::n_logprobs)
+        .def_rw("min_tokens", &SamplerParams::min_tokens)
+        .def_rw("min_tokens_suppress", &SamplerParams::min_tokens_suppress)
+        .def_rw("chat", &SamplerParams::chat)
+        .def_rw("special", &SamplerParams::special);
     m.attr("MAX_LOGPROBS") = MAX_LOGPROBS;
     m.def("validate_sampler_params", &validate_sampler_params, "params"_a);
+    bind_chat(m);
 
     nb::class_<StepPlan>(m, "StepPlan", "What one engine step does; filled by the scheduler.")
         .def(nb::init<>())

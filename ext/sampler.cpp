@@ -25,6 +25,16 @@ void validate_sampler_params(const SamplerParams & sp) {
     if (!std::isfinite(sp.presence_penalty)) bad("presence_penalty must be finite");
     if (!std::isfinite(sp.frequency_penalty)) bad("frequency_penalty must be finite");
     if (!sp.grammar.empty() && !sp.json_schema.empty()) bad("give a grammar or a json_schema, not both");
+    if (!sp.chat.grammar.empty() && !(sp.grammar.empty() && sp.json_schema.empty())) {
+        bad("a chat template's grammar (tools) takes the place of grammar and json_schema: give one");
+    }
+    for (const auto & t : sp.chat.triggers) {
+        if (t.type < COMMON_GRAMMAR_TRIGGER_TYPE_TOKEN || t.type > COMMON_GRAMMAR_TRIGGER_TYPE_PATTERN_FULL) {
+            bad("unknown grammar trigger type " + std::to_string(t.type));
+        }
+    }
+    if (sp.chat.lazy && sp.chat.triggers.empty()) bad("a lazy grammar needs triggers");
+    if (sp.min_tokens < 0) bad("min_tokens must be >= 0, got " + std::to_string(sp.min_tokens));
     if (sp.n_logprobs < -1 || sp.n_logprobs > MAX_LOGPROBS) {
         bad("logprobs must be in [0, " + std::to_string(MAX_LOGPROBS) + "], got " + std::to_string(sp.n_logprobs));
     }
@@ -71,7 +81,8 @@ namespace {
 
 bool is_plain_greedy(const SamplerParams & p) {
     return p.temperature <= 0.0f && p.repetition_penalty == 1.0f && p.presence_penalty == 0.0f &&
-           p.frequency_penalty == 0.0f && p.grammar.empty() && p.json_schema.empty() && p.logit_bias.empty();
+           p.frequency_penalty == 0.0f && p.grammar.empty() && p.json_schema.empty() && p.chat.grammar.empty() &&
+           p.logit_bias.empty();
 }
 
 common_sampler_ptr make_chain(const Model & model, const SamplerParams & sp) {
@@ -110,6 +121,30 @@ common_sampler_ptr make_chain(const Model & model, const SamplerParams & sp) {
     if (!grammar.empty()) {
         p.grammar = common_grammar(COMMON_GRAMMAR_TYPE_USER, grammar);
     }
+    const ChatGrammar & chat = sp.chat;
+    if (!chat.grammar.empty()) {  // as llama-server sets up a template's tool-call grammar
+        const int32_t n_vocab = model.info().n_vocab;
+        auto check = [&](int32_t t) {
+            if (t < 0 || t >= n_vocab) bad("chat grammar token " + std::to_string(t) + " outside the vocabulary");
+        };
+        p.grammar = common_grammar(COMMON_GRAMMAR_TYPE_TOOL_CALLS, chat.grammar);
+        p.grammar_lazy = chat.lazy;
+        for (const auto & t : chat.triggers) {
+            if (t.type == COMMON_GRAMMAR_TRIGGER_TYPE_TOKEN) check(t.token);
+            p.grammar_triggers.push_back({static_cast<common_grammar_trigger_type>(t.type), t.value, t.token});
+        }
+        for (int32_t t : chat.preserved_tokens) {
+            check(t);
+            p.preserved_tokens.insert(t);
+        }
+        p.generation_prompt = chat.generation_prompt;
+        if (!chat.thinking_start.empty() && !chat.thinking_end.empty()) {
+            for (int32_t t : chat.thinking_start) check(t);
+            p.reasoning_budget_start = chat.thinking_start;
+            p.reasoning_budget_end = chat.thinking_end;
+            p.reasoning_budget_tokens = -1;  // no budget: the tags only keep the grammar out of the thinking
+        }
+    }
     common_sampler * s = nullptr;
     try {
         s = common_sampler_init(model.get(), p);
@@ -127,15 +162,33 @@ SequenceSampler::SequenceSampler(const Model & model, const SamplerParams & para
       eog_(model.info().eog_tokens),
       plain_greedy_(is_plain_greedy(params)),
       ignore_eos_(params.ignore_eos),
-      n_logprobs_(params.n_logprobs) {
+      n_logprobs_(params.n_logprobs),
+      special_(params.special),
+      preserved_(params.chat.preserved_tokens) {
     validate_sampler_params(params);
     chain_ = make_chain(model, params);
+    min_tokens_ = params.min_tokens;
+    if (min_tokens_ > 0) {
+        early_stops_ = model.info().eog_tokens;
+        for (int32_t t : params.min_tokens_suppress) {
+            if (t >= 0 && t < n_vocab_) early_stops_.push_back(t);
+        }
+    }
     std::sort(eog_.begin(), eog_.end());
+    std::sort(preserved_.begin(), preserved_.end());
 }
 
 void SequenceSampler::replay(const std::vector<llama_token> & prompt, const std::vector<llama_token> & generated) {
     for (llama_token t : prompt) common_sampler_accept(chain_.get(), t, false);
     for (llama_token t : generated) common_sampler_accept(chain_.get(), t, true);
+    n_generated_ = static_cast<int32_t>(generated.size());
+}
+
+void SequenceSampler::suppress_early_stops(llama_context * ctx, const std::vector<int> & rows) const {
+    for (size_t i = 0; i < rows.size() && n_generated_ + static_cast<int32_t>(i) < min_tokens_; ++i) {
+        float * logits = llama_get_logits_ith(ctx, rows[i]);
+        for (llama_token t : early_stops_) logits[t] = -std::numeric_limits<float>::infinity();
+    }
 }
 
 llama_token SequenceSampler::argmax(const float * logits) const {
@@ -147,14 +200,17 @@ llama_token SequenceSampler::argmax(const float * logits) const {
 
 std::vector<llama_token> SequenceSampler::verify(llama_context * ctx, const std::vector<int> & rows,
                                                  const std::vector<llama_token> & draft) {
-    if (!plain_greedy_) {
-        return common_sampler_sample_and_accept_n(chain_.get(), ctx, rows, draft);
-    }
+    if (n_generated_ < min_tokens_) suppress_early_stops(ctx, rows);
     std::vector<llama_token> out;
-    for (size_t i = 0; i < rows.size(); ++i) {
-        out.push_back(argmax(llama_get_logits_ith(ctx, rows[i])));
-        if (i == draft.size() || draft[i] != out.back()) break;
+    if (!plain_greedy_) {
+        out = common_sampler_sample_and_accept_n(chain_.get(), ctx, rows, draft);
+    } else {
+        for (size_t i = 0; i < rows.size(); ++i) {
+            out.push_back(argmax(llama_get_logits_ith(ctx, rows[i])));
+            if (i == draft.size() || draft[i] != out.back()) break;
+        }
     }
+    n_generated_ += static_cast<int32_t>(out.size());
     return out;
 }
 

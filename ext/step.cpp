@@ -401,7 +401,7 @@ bool StepRunner::decode_and_verify(State & st, const std::vector<const StepWork 
                                                       out.tokens[i], sampler.n_logprobs()));
             }
         }
-        for (int32_t t : out.tokens) out.pieces.push_back(model.token_to_piece(t, false));
+        for (int32_t t : out.tokens) out.pieces.push_back(model.token_to_piece(t, sampler.renders_special(t)));
         out.drafted = static_cast<int32_t>(d.size());
         out.produced = st.produced[w.seq];
         out.accepted = static_cast<int32_t>(out.tokens.size()) - 1;

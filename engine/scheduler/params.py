@@ -24,7 +24,9 @@ class SamplingParams:
     ``temperature`` 0 is greedy. Stop strings are matched across token boundaries and are
     not part of the output; ``stop_token_ids`` end generation without being emitted.
     ``grammar`` (GBNF) or ``json_schema`` constrain the output through llama.cpp's own
-    grammar sampler.
+    grammar sampler. ``min_tokens``: end-of-generation and stop token ids are banned until
+    this many tokens are generated. ``skip_special_tokens=False`` renders special tokens
+    (``<|im_end|>``...) in the text.
     """
 
     max_tokens: int = 128
@@ -47,6 +49,8 @@ class SamplingParams:
     #: ``k`` in [0, 20]: each emitted token's log-probability and the k most likely tokens
     #: (``RequestOutput.logprobs``, ``Delta.logprobs``); None: none (and no cost)
     logprobs: int | None = None
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         _check(
@@ -65,7 +69,7 @@ class SamplingParams:
             _check(
                 isinstance(v, (int, float)) and not isinstance(v, bool), f"{name} must be a number, got {v!r}"
             )
-        for name in ("top_k", "penalty_last_n"):
+        for name in ("top_k", "penalty_last_n", "min_tokens"):
             v = getattr(self, name)
             _check(
                 isinstance(v, int) and -(2**31) <= v < 2**31, f"{name} must be a 32-bit integer, got {v!r}"
@@ -88,6 +92,7 @@ class SamplingParams:
             self.logprobs is None or (isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)),
             f"logprobs must be an int in [0, {_nb_spec.MAX_LOGPROBS}] or None, got {self.logprobs!r}",
         )
+        _check(isinstance(self.skip_special_tokens, bool), "skip_special_tokens must be a bool")
         bias = self.logit_bias or {}
         _check(
             isinstance(bias, dict)
@@ -119,6 +124,9 @@ class SamplingParams:
         p.json_schema = "" if schema is None else schema if isinstance(schema, str) else json.dumps(schema)
         p.logit_bias = [(t, float(v)) for t, v in (self.logit_bias or {}).items()]
         p.n_logprobs = -1 if self.logprobs is None else self.logprobs
+        p.min_tokens = self.min_tokens
+        p.min_tokens_suppress = list(self.stop_token_ids)
+        p.special = not self.skip_special_tokens
         return p
 
 
@@ -180,6 +188,9 @@ class EngineConfig:
     preemption: bool = True
     time_slice: float | None = 5.0  #: None: only a higher priority preempts
     swap_space_mib: int = 1024  #: host memory for preempted requests' state; beyond it, wait
+    #: the chat template messages are rendered with (Jinja source, or a llama.cpp built-in
+    #: name) instead of the model's own (``tokenizer.chat_template``)
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         _check(
@@ -210,6 +221,11 @@ class EngineConfig:
             isinstance(self.swap_space_mib, int) and self.swap_space_mib >= 0, "swap_space_mib must be >= 0"
         )
         _check(isinstance(self.stream_buffer, int) and self.stream_buffer >= 4, "stream_buffer must be >= 4")
+        _check(
+            self.chat_template is None
+            or (isinstance(self.chat_template, str) and self.chat_template.strip() != ""),
+            "chat_template must be a non-empty string (Jinja source or a built-in name) or None",
+        )
         spec = self.speculative
         if isinstance(spec, str):
             spec = SpeculativeConfig(spec, n_seq=self.n_seq)

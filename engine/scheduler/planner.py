@@ -182,7 +182,7 @@ class Plan:
         for r in self.admitted:
             assert r.slot is not None
             if r.resume is None:  # (a reused prefix is prompt: nothing to replay)
-                p.configure(r.slot, r.params.native(r.seed))
+                p.configure(r.slot, r.sampler_params())
                 continue
             p.restore(r.slot, r.resume.target, r.resume.draft, r.resume.spec)
             if r.parked is not None:  # preempted: its own sampler, as it was
@@ -190,7 +190,7 @@ class Plan:
                 continue
             p.configure(
                 r.slot,
-                r.params.native(r.seed),
+                r.sampler_params(),
                 r.history[: r.n_prompt_history],
                 r.history[r.n_prompt_history :],
             )

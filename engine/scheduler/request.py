@@ -10,6 +10,7 @@ from typing import Any
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from ..session.chat import ChatMessage, ChatParser, ChatPrompt, ToolCallDelta
 from .errors import UnknownRequestError
 from .output import FinishReason, TextAssembler, TokenLogprob
 from .params import SamplingParams
@@ -103,11 +104,15 @@ class RequestOutput:
     checkpoint: bytes | None = None
     #: per token of ``token_ids`` when ``SamplingParams.logprobs`` asked for them
     logprobs: list[TokenLogprob] | None = None
+    #: chat messages: the answer as the template's format reads it (``text`` is its content)
+    message: ChatMessage | None = None
 
 
 @dataclass
 class Delta:
-    """A piece of a streamed completion: always whole UTF-8 characters."""
+    """A piece of a streamed completion: always whole UTF-8 characters. For chat messages
+    ``text`` is the answer's content; a thinking model's thinking comes in ``reasoning`` and
+    tool calls in ``tool_calls`` (OpenAI's incremental form)."""
 
     text: str
     token_ids: list[int]
@@ -116,6 +121,8 @@ class Delta:
     output: RequestOutput | None = None
     #: per token of ``token_ids`` when ``SamplingParams.logprobs`` asked for them
     logprobs: list[TokenLogprob] | None = None
+    reasoning: str = ""
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 @dataclass
@@ -164,6 +171,8 @@ class Request:
     arrival_index: int = 0
     resume: Resume | None = None
     want_checkpoint: bool = False
+    #: chat messages: the rendered template (its grammar for tools, and its output format)
+    chat: ChatPrompt | None = None
     #: reuse a cached prefix of its prompt, and leave its sequence cached when it ends
     cache_prompt: bool = True
     state: RequestState = RequestState.WAITING
@@ -199,14 +208,27 @@ class Request:
     checkpoint_waiters: list[CheckpointWaiter] = field(default_factory=list)
     #: FINISHING: the last step's delta, handed out with the result once captured
     tail: Delta | None = None
-    send: MemoryObjectSendStream[Delta] | None = None
-    receive: MemoryObjectReceiveStream[Delta] | None = None
+    send: MemoryObjectSendStream[Any] | None = None
+    receive: MemoryObjectReceiveStream[Any] | None = None  #: None in a stream group
+    stream_index: int | None = field(default=None, init=False)  #: its index in a stream group
+    _room: int = field(default=0, init=False)  #: deltas its buffer may hold before it pauses
     done: anyio.Event = field(default_factory=anyio.Event)
 
     def __post_init__(self) -> None:
         self.text = TextAssembler(self.params.stop)
         if self.params.logprobs is not None:
             self.output_logprobs = []
+
+    def sampler_params(self) -> Any:
+        """The native sampler's parameters, with the chat template's grammar (tools)."""
+        p = self.params.native(self.seed)
+        if self.chat is not None:
+            p.chat = self.chat.grammar
+        return p
+
+    def chat_parser(self) -> ChatParser | None:
+        """A new parser of its output in the template's format (chat messages only)."""
+        return ChatParser(self.chat) if self.chat is not None else None
 
     @property
     def cacheable(self) -> bool:
@@ -227,24 +249,35 @@ class Request:
         """Generating or about to: its slot must not be taken away."""
         return self.state in (RequestState.PREFILL, RequestState.DECODE, RequestState.FINISHING)
 
-    def open_stream(self, buffer: int) -> None:
+    def open_stream(
+        self, buffer: int, group: tuple[MemoryObjectSendStream[Any], int, int] | None = None
+    ) -> None:
         """Deltas go through a bounded buffer: a consumer that stops reading pauses this
-        request (the scheduler checks :meth:`stream_has_room`) and no other."""
-        self.send, self.receive = anyio.create_memory_object_stream[Delta](buffer)
+        request (the scheduler checks :meth:`stream_has_room`) and no other. ``group``:
+        ``(send, index, size)``, the unbounded buffer of a :class:`StreamGroup` that ``size``
+        requests share, where this one's deltas go as ``(index, delta)``; they all pause
+        when it holds ``size * buffer``."""
+        if group is None:
+            self.send, self.receive = anyio.create_memory_object_stream[Any](buffer)
+            self._room = buffer - 2  # one more step's delta and the final one
+        else:
+            self.send, self.stream_index, size = group
+            self._room = size * (buffer - 2)
 
     def stream_has_room(self) -> bool:
-        """Room for one more step's delta plus the final one."""
         if self.send is None:
             return True
-        stats = self.send.statistics()
-        return bool(stats.current_buffer_used <= stats.max_buffer_size - 2)
+        return bool(self.send.statistics().current_buffer_used <= self._room)
 
-    def push(self, delta: Delta) -> None:
-        if self.send is not None and (delta.text or delta.token_ids or delta.finish_reason):
-            try:
-                self.send.send_nowait(delta)
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                pass  # the consumer is gone; its request is being aborted
+    def push(self, delta: Delta | BaseException) -> None:
+        if self.send is None:
+            return
+        if isinstance(delta, Delta) and not (delta.text or delta.token_ids or delta.finish_reason):
+            return
+        try:
+            self.send.send_nowait(delta if self.stream_index is None else (self.stream_index, delta))
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            pass  # the consumer is gone; its request is being aborted
 
     def mark_first_token(self) -> None:
         if self.metrics.first_token is None:
@@ -281,5 +314,7 @@ class Request:
         if self.send is not None:
             if error is None:
                 self.push(Delta(text, tail.token_ids, reason, self.output(), tail.logprobs))
+            elif self.stream_index is not None:
+                self.push(error)  # (a group's buffer is shared: the error travels in it)
             self.send.close()
         self.done.set()

@@ -3,8 +3,8 @@ pydantic, prometheus-client).
 
 ``python -m engine serve`` runs it; :func:`create_app` embeds it in an existing ASGI
 deployment (the caller starts and closes the engine). Modules: ``protocol`` (the wire
-format and its mapping onto :class:`~engine.SamplingParams`), ``app`` (routes, errors,
-streaming), ``metrics`` (Prometheus).
+format and its mapping onto the engine's parameters), ``serving`` (engine outputs as
+responses and event streams, no HTTP), ``app`` (routes, errors), ``metrics`` (Prometheus).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ async def serve(
     api_key: str | None = None,
     shutdown_timeout: float = 10.0,
     limits: ServerLimits | None = None,
+    strict_params: bool = False,
     on_ready: Callable[[], None] | None = None,
 ) -> None:
     """Serve ``config``'s engine over HTTP until SIGINT/SIGTERM.
@@ -56,7 +57,9 @@ async def serve(
                 on_ready()
             yield
 
-    app = create_app(engine, model_name=model_name, api_key=api_key, limits=limits, lifespan=lifespan)
+    app = create_app(
+        engine, model_name=model_name, api_key=api_key, limits=limits, lifespan=lifespan, strict_params=strict_params
+    )
 
     class Server(uvicorn.Server):
         async def shutdown(self, sockets: Any = None) -> None:

@@ -1,35 +1,31 @@
 """The ASGI app: OpenAI's ``/v1`` endpoints over one :class:`Engine` (Starlette).
 
-Each choice is one engine request; the engine does all scheduling, so this layer only
-translates. A client that disconnects mid-stream aborts its requests (their slots are freed
-at the next step boundary). Every error is OpenAI-style JSON: ``{"error": {"message",
-"type", "param", "code"}}``.
+HTTP only: the request body is validated by ``protocol`` and answered by ``serving``. A
+client that disconnects aborts its requests (their slots are freed at the next step
+boundary). Every error is OpenAI-style JSON: ``{"error": {"message", "type", "param",
+"code"}}``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hmac
-import json
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
-from dataclasses import dataclass, replace
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
-import anyio.abc
-from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..logs import get_logger
-from ..scheduler import Delta, Engine, QueueFullError, RequestError, RequestMetrics, RequestOutput
+from ..scheduler import Engine, QueueFullError, RequestError
 from ..session import ClosedError, InvalidArgumentError, InvalidConfigError, PromptTooLongError
 from . import protocol
 from .metrics import metrics_registry, render
 from .protocol import ChatRequest, CompletionRequest, ProtocolError
+from .serving import OpenAIServing
 
 __all__ = ["ServerLimits", "create_app"]
 
@@ -57,8 +53,7 @@ def error(
     code: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> JSONResponse:
-    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(protocol.error_body(message, type_, param, code), status_code=status, headers=headers)
 
 
 class _Guard:
@@ -112,12 +107,16 @@ class _BodyTooLarge(Exception):
 
 
 class OpenAIServer:
-    """The routes' state: the engine, the model's name, the metrics registry."""
+    """The routes' state: the engine's OpenAI serving, the model's name, the metrics."""
 
-    def __init__(self, engine: Engine, model_name: str, limits: ServerLimits) -> None:
+    def __init__(
+        self, engine: Engine, model_name: str, limits: ServerLimits, strict_params: bool = False
+    ) -> None:
         self.engine = engine
         self.model_name = model_name
         self.limits = limits
+        self.strict_params = strict_params  # unknown request fields get 400 (else logged)
+        self.serving = OpenAIServing(engine, model_name)
         self.registry = metrics_registry(engine, model_name)
         self.draining = False  # shutting down: new requests get 503
         self.created = protocol.now()
@@ -153,216 +152,30 @@ class OpenAIServer:
         return await self._serve(request, ChatRequest)
 
     async def _serve(self, request: Request, kind: type[CompletionRequest] | type[ChatRequest]) -> Response:
+        prompt_param = "messages" if kind is ChatRequest else "prompt"
         try:
-            raw = await request.body()
-            body = kind.model_validate_json(raw)
-        except ValidationError as exc:
-            return _validation_error(exc)
-        if body.model != self.model_name:
-            return self._unknown_model(body.model)
-        if self.draining:
-            return error(503, "the server is shutting down", "service_unavailable", code="unavailable")
-        try:
-            model = self.engine.model
-            params = protocol.sampling_params(body, self.engine.config.n_ctx, model.n_vocab)
-            prompts: list[Any] = (
-                body.prompts()
-                if isinstance(body, CompletionRequest)
-                else [[m.as_template_message() for m in body.messages]]
-            )
-            if len(prompts) * body.n > protocol.MAX_CHOICES:
-                raise ProtocolError(f"at most {protocol.MAX_CHOICES} choices (prompts x n) per request", "n")
-            call = _Call(self, body, params, prompts, chat=isinstance(body, ChatRequest))
-            if body.stream:
-                return await call.stream()
-            result = await _unless_disconnected(request, call.complete())
+            body = protocol.parse(kind, await request.body(), strict=self.strict_params)
+            if body.model != self.model_name:
+                return self._unknown_model(body.model)
+            if self.draining:
+                return error(503, "the server is shutting down", "service_unavailable", code="unavailable")
+            call = self.serving.call(body)
+            if call.stream:
+                return StreamingResponse(
+                    await self.serving.stream(call),
+                    media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                )
+            result = await _unless_disconnected(request, self.serving.complete(call))
             return JSONResponse(result) if result is not None else Response(status_code=499)
         except Exception as exc:  # noqa: BLE001 - every failure is an OpenAI-style error
-            return _engine_error(exc, "messages" if isinstance(body, ChatRequest) else "prompt", self.limits)
-
-
-class _Call:
-    """One API request: ``len(prompts) * n`` engine requests (choice ``i`` of prompt ``p``
-    has index ``p * n + i``)."""
-
-    def __init__(self, server: OpenAIServer, body: Any, params: Any, prompts: list[Any], chat: bool) -> None:
-        self.server = server
-        self.engine = server.engine
-        self.body = body
-        self.params = params
-        self.prompts = prompts
-        self.chat = chat
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        self.created = protocol.now()
-        self.object = "chat.completion" if chat else "text_completion"
-
-    def _choice_params(self, index: int) -> Any:
-        if self.params.seed is None or index == 0:
-            return self.params
-        return replace(self.params, seed=(self.params.seed + index) % 2**32)  # reproducible, distinct
-
-    def _choices(self) -> list[tuple[int, Any]]:
-        n = self.body.n
-        return [(p * n + i, prompt) for p, prompt in enumerate(self.prompts) for i in range(n)]
-
-    def _usage(self, outputs: dict[int, RequestMetrics]) -> dict[str, Any]:
-        n = self.body.n
-        per_prompt = [outputs[p * n] for p in range(len(self.prompts)) if p * n in outputs]
-        return protocol.usage(per_prompt, list(outputs.values()))
-
-    # --- whole responses ---------------------------------------------------------------
-    async def complete(self) -> dict[str, Any]:
-        results: dict[int, RequestOutput] = {}
-
-        async def one(index: int, prompt: Any) -> None:
-            results[index] = await self.engine.generate(
-                prompt,
-                self._choice_params(index),
-                request_id=f"{self.id}-{index}",
-                cache_prompt=self.body.cache_prompt,
-            )
-
-        choices = self._choices()
-        if len(choices) == 1:
-            await one(*choices[0])
-        else:
-            async with _task_group() as tg:  # (the first failure cancels the rest)
-                for index, prompt in choices:
-                    tg.start_soon(one, index, prompt)
-        return {
-            "id": self.id,
-            "object": self.object,
-            "created": self.created,
-            "model": self.server.model_name,
-            "choices": [self._choice(index, results[index]) for index in sorted(results)],
-            "usage": self._usage({i: r.metrics for i, r in results.items()}),
-        }
-
-    def _choice(self, index: int, out: RequestOutput) -> dict[str, Any]:
-        reason = out.finish_reason
-        if self.chat:
-            return {
-                "index": index,
-                "message": {"role": "assistant", "content": out.text},
-                "logprobs": None if out.logprobs is None else protocol.chat_logprobs(out.logprobs),
-                "finish_reason": reason,
-            }
-        return {
-            "index": index,
-            "text": out.text,
-            "logprobs": None if out.logprobs is None else protocol.completion_logprobs(out.logprobs),
-            "finish_reason": reason,
-        }
-
-    # --- server-sent events --------------------------------------------------------------
-    async def stream(self) -> Response:
-        streams = [
-            (
-                index,
-                self.engine.stream(
-                    prompt,
-                    self._choice_params(index),
-                    request_id=f"{self.id}-{index}",
-                    cache_prompt=self.body.cache_prompt,
-                ),
-            )
-            for index, prompt in self._choices()
-        ]
-        # the first delta (or the submission's error: a full queue, a prompt too long) comes
-        # before the response starts, so that a refusal is an HTTP status, not a broken stream
-        merged = _Merged(streams)
-        try:
-            first = await merged.__anext__()
-        except StopAsyncIteration:
-            first = None
-        except BaseException:
-            await merged.aclose()
-            raise
-        return StreamingResponse(
-            self._events(first, merged),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
-
-    async def _events(
-        self, first: tuple[int, Delta] | None, rest: AsyncIterator[tuple[int, Delta]]
-    ) -> AsyncIterator[bytes]:
-        options = self.body.stream_options
-        include_usage = bool(options and options.include_usage)
-        continuous = bool(options and options.continuous_usage_stats)  # tokens so far on every chunk
-        finals: dict[int, RequestMetrics] = {}
-        offsets: dict[int, int] = {}
-        generated = 0
-        try:
-            if self.chat:
-                for index, _ in self._choices():
-                    yield self._chunk(
-                        [{"index": index, "delta": {"role": "assistant", "content": ""}}], include_usage
-                    )
-            async for index, delta in _prepend(first, rest):
-                if delta.output is not None:
-                    finals[index] = delta.output.metrics
-                choice = self._delta_choice(index, delta, offsets)
-                generated += len(delta.token_ids)
-                if choice is not None and continuous:
-                    yield _sse(self._envelope([choice], usage={"completion_tokens": generated}))
-                elif choice is not None:
-                    yield self._chunk([choice], include_usage)
-            if include_usage:
-                yield _sse(self._envelope([], usage=self._usage(finals)))
-        except (RequestError, ClosedError) as exc:  # the request failed (or the engine stopped) mid-stream
-            log.warning("server.stream_failed", error=repr(exc))
-            yield _sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}})
-        finally:
-            await _aclose(rest)
-        yield b"data: [DONE]\n\n"
-
-    def _delta_choice(self, index: int, delta: Delta, offsets: dict[int, int]) -> dict[str, Any] | None:
-        reason = delta.finish_reason  # stop, length; "abort" when the server shuts down (as vLLM)
-        if not delta.text and not delta.token_ids and reason is None:
-            return None
-        logprobs = None
-        if delta.logprobs is not None:
-            if self.chat:
-                logprobs = protocol.chat_logprobs(delta.logprobs)
-            else:
-                logprobs = protocol.completion_logprobs(delta.logprobs, offsets.get(index, 0))
-                offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
-        if self.chat:
-            return {
-                "index": index,
-                "delta": {"content": delta.text} if delta.text or not reason else {},
-                "logprobs": logprobs,
-                "finish_reason": reason,
-            }
-        return {"index": index, "text": delta.text, "logprobs": logprobs, "finish_reason": reason}
-
-    def _envelope(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": "chat.completion.chunk" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.server.model_name,
-            "choices": choices,
-            **extra,
-        }
-
-    def _chunk(self, choices: list[dict[str, Any]], include_usage: bool) -> bytes:
-        return _sse(self._envelope(choices, **({"usage": None} if include_usage else {})))
-
-
-async def _prepend(
-    first: tuple[int, Delta] | None, rest: AsyncIterator[tuple[int, Delta]]
-) -> AsyncIterator[tuple[int, Delta]]:
-    if first is not None:
-        yield first
-    async for item in rest:
-        yield item
+            return _engine_error(exc, prompt_param, self.limits)
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[dict[str, Any]]) -> dict[str, Any] | None:
     """``work``'s result, or None once the client has gone away: then its requests are
-    cancelled (aborted in the engine), as a streamed request's are."""
+    cancelled (aborted in the engine), as a streamed request's are. The task group is
+    entered and left in this task."""
     result: dict[str, Any] | None = None
 
     async def run(scope: anyio.CancelScope) -> None:
@@ -370,100 +183,15 @@ async def _unless_disconnected(request: Request, work: Awaitable[dict[str, Any]]
         result = await work
         scope.cancel()
 
-    async with _task_group() as tg:
-        tg.start_soon(run, tg.cancel_scope)
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        tg.cancel_scope.cancel()  # the client left before the result
-    return result
-
-
-@contextlib.asynccontextmanager
-async def _task_group() -> AsyncIterator[anyio.abc.TaskGroup]:
-    """A task group that raises its first task's error as itself (with its own cause), so
-    that the error maps to its HTTP status."""
     try:
         async with anyio.create_task_group() as tg:
-            yield tg
-    except BaseExceptionGroup as group:
+            tg.start_soon(run, tg.cancel_scope)
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            tg.cancel_scope.cancel()  # the client left before the result
+    except BaseExceptionGroup as group:  # the work's own error, as itself (it maps to a status)
         raise group.exceptions[0] from group.exceptions[0].__cause__
-
-
-def _sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
-
-
-class _Merged:
-    """The deltas of several streams as ``(index, delta)``, in the order they come; closing
-    it aborts every stream that has not finished."""
-
-    def __init__(self, streams: list[tuple[int, Any]]) -> None:
-        self.streams = streams
-        self.tg: Any = None
-        self.live = len(streams)
-
-    def __aiter__(self) -> _Merged:
-        return self
-
-    async def __anext__(self) -> tuple[int, Delta]:
-        if len(self.streams) == 1:  # one choice: no task group (the common case)
-            index, stream = self.streams[0]
-            return index, await stream.__anext__()
-        if self.tg is None:
-            self.send, self.receive = anyio.create_memory_object_stream[tuple[int, Delta] | BaseException](1)
-            self.tg = anyio.create_task_group()
-            await self.tg.__aenter__()
-            for index, stream in self.streams:
-                self.tg.start_soon(self._pump, index, stream)
-        if self.live == 0:
-            raise StopAsyncIteration
-        while True:
-            item = await self.receive.receive()
-            if isinstance(item, StopAsyncIteration):
-                self.live -= 1
-                if self.live == 0:
-                    raise StopAsyncIteration
-                continue
-            if isinstance(item, BaseException):
-                raise item
-            return item
-
-    async def _pump(self, index: int, stream: Any) -> None:
-        try:
-            async for delta in stream:
-                await self.send.send((index, delta))
-            await self.send.send(StopAsyncIteration())
-        except Exception as exc:  # noqa: BLE001 - handed to the reader
-            await self.send.send(exc)
-
-    async def aclose(self) -> None:
-        for _, stream in self.streams:
-            await stream.aclose()
-        if self.tg is not None:
-            tg, self.tg = self.tg, None
-            tg.cancel_scope.cancel()
-            await tg.__aexit__(None, None, None)
-            self.send.close()
-            self.receive.close()
-
-
-async def _aclose(it: Any) -> None:
-    with anyio.CancelScope(shield=True):
-        await it.aclose()
-
-
-def _validation_error(exc: ValidationError) -> Response:
-    first = exc.errors()[0]
-    loc = ".".join(str(part) for part in first.get("loc", ()))
-    if first.get("type") == "json_invalid":
-        return error(400, "the request body is not valid JSON", code="invalid_json")
-    if first.get("type") == "extra_forbidden":
-        return error(
-            400, f"unrecognized request argument supplied: {loc}", param=loc, code="unknown_parameter"
-        )
-    if first.get("type") == "missing":
-        return error(400, f"missing required parameter: {loc}", param=loc, code="missing_required_parameter")
-    return error(400, f"invalid value for {loc}: {first.get('msg')}", param=loc, code="invalid_value")
+    return result
 
 
 def _engine_error(exc: BaseException, prompt_param: str, limits: ServerLimits) -> Response:
@@ -499,12 +227,15 @@ def create_app(
     api_key: str | None = None,
     limits: ServerLimits | None = None,
     lifespan: Any = None,
+    strict_params: bool = False,
 ) -> Any:
     """An ASGI app serving OpenAI's API from ``engine`` (started and closed by the caller,
     or by ``lifespan``). ``api_key``: every endpoint but ``/health`` requires
-    ``Authorization: Bearer <api_key>``."""
+    ``Authorization: Bearer <api_key>``. ``strict_params``: a request field the API does
+    not know gets 400, as OpenAI's own API answers (by default it is accepted and logged,
+    as vLLM and llama-server do: routers and clients add their own)."""
     limits = limits or ServerLimits()
-    server = OpenAIServer(engine, model_name, limits)
+    server = OpenAIServer(engine, model_name, limits, strict_params)
     routes = [
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.metrics, methods=["GET"]),

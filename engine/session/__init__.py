@@ -6,6 +6,7 @@ scheduler (``engine.scheduler``) builds the async engine on top.
 
 from __future__ import annotations
 
+from .chat import ChatMessage, ChatOptions, ChatParser, ChatTemplate, ToolCall, ToolCallDelta
 from .checkpoint import SequenceCheckpoint
 from .config import SPEC_TYPES, ContextConfig, SpeculativeConfig, canonical_spec_type
 from .errors import *  # noqa: F403
@@ -18,6 +19,10 @@ __all__ = [
     "SPEC_TYPES",
     "STATE_SEQ_FLAGS_PARTIAL_ONLY",
     "Batch",
+    "ChatMessage",
+    "ChatOptions",
+    "ChatParser",
+    "ChatTemplate",
     "Context",
     "ContextConfig",
     "Model",
@@ -27,6 +32,8 @@ __all__ = [
     "SpecStats",
     "SpeculativeConfig",
     "SpeculativeSession",
+    "ToolCall",
+    "ToolCallDelta",
     "canonical_spec_type",
     *_errors_all,
 ]

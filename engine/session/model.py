@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from .. import _nb_spec
+from .chat import ChatOptions, ChatTemplate
 from .config import ContextConfig
 from .errors import InvalidArgumentError
 from .runtime import Runtime
@@ -67,10 +68,6 @@ class Batch:
         return self.tokens, self.pos, self.seq, self.logits
 
 
-# llama.cpp built-in template names for GGUF files that carry no template of their own
-_BUILTIN_TEMPLATES = (("gemma", "gemma"), ("llama", "llama3"), ("qwen", "chatml"))
-
-
 def _fingerprint(path: str) -> str:
     """Identity of a model file: size plus a digest of its first MiB (header + metadata)."""
     h = hashlib.sha256()
@@ -114,17 +111,20 @@ class Model:
     def n_vocab(self) -> int:
         return self.info.n_vocab
 
-    @property
-    def chat_template(self) -> str | None:
-        """The model's own chat template, else a llama.cpp built-in chosen by architecture
-        (some GGUF files ship without one), else None."""
-        if self.info.chat_template:
-            return self.info.chat_template
-        arch = self.info.arch
-        for prefix, name in _BUILTIN_TEMPLATES:
-            if arch.startswith(prefix):
-                return name
-        return None
+    def chat_template(self, override: str | None = None) -> ChatTemplate:
+        """The chat template messages are rendered with: the GGUF's own (Jinja, through
+        llama.cpp's chat module), else llama.cpp's built-in renderer for its architecture;
+        ``override`` (Jinja source, or a built-in name) replaces it. Created on first use,
+        then kept (for ``override`` None).
+
+        :raises InvalidConfigError: the model has none, or the chat module refuses it.
+        """
+        if override:
+            return ChatTemplate(self, override)
+        cached = self.__dict__.get("_chat_template")
+        if cached is None:
+            cached = self.__dict__["_chat_template"] = ChatTemplate(self)
+        return cached
 
     @property
     def metadata(self) -> dict[str, str]:
@@ -157,42 +157,30 @@ class Model:
         return self.native.token_to_piece(token, special)
 
     def apply_chat_template(
-        self, messages: Sequence[dict[str, str]], *, add_assistant: bool = True, template: str | None = None
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_assistant: bool = True,
+        template: str | None = None,
     ) -> str:
-        """Render chat messages with the model's template (llama.cpp's built-in renderers).
+        """Render chat messages (OpenAI's shape) with the model's chat template.
 
-        :raises InvalidArgumentError: malformed messages or an unsupported template.
+        :raises InvalidArgumentError: malformed messages.
+        :raises InvalidConfigError: no usable template.
         """
-        pairs, tmpl = self._chat_args(messages, template)
-        return self.native.apply_chat_template(pairs, add_assistant, tmpl)
+        options = ChatOptions(add_generation_prompt=add_assistant)
+        return self.chat_template(template).render(messages, options).prompt
 
     async def aapply_chat_template(
-        self, messages: Sequence[dict[str, str]], *, add_assistant: bool = True, template: str | None = None
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_assistant: bool = True,
+        template: str | None = None,
     ) -> str:
         """:meth:`apply_chat_template` without blocking the event loop."""
-        pairs, tmpl = self._chat_args(messages, template)
-        return str(await self.runtime.wait(self.native.apply_chat_template_async(pairs, add_assistant, tmpl)))
-
-    def _chat_args(
-        self, messages: Sequence[dict[str, str]], template: str | None
-    ) -> tuple[list[tuple[str, str]], str]:
-        pairs: list[tuple[str, str]] = []
-        for i, m in enumerate(messages):
-            if (
-                not isinstance(m, dict)
-                or not isinstance(m.get("role"), str)
-                or not isinstance(m.get("content"), str)
-            ):
-                raise InvalidArgumentError(
-                    f"message {i} must be a dict with string 'role' and 'content'", reason="bad message"
-                )
-            pairs.append((m["role"], m["content"]))
-        if not pairs:
-            raise InvalidArgumentError("no messages", reason="no messages")
-        tmpl = template or self.chat_template
-        if not tmpl:
-            raise InvalidArgumentError("the model has no chat template; pass one", reason="no template")
-        return pairs, tmpl
+        options = ChatOptions(add_generation_prompt=add_assistant)
+        return (await self.chat_template(template).arender(messages, options)).prompt
 
     def is_eog(self, token: int) -> bool:
         return token in self._eog

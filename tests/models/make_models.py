@@ -53,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-VERSION = "tiny-gguf-v4"
+VERSION = "tiny-gguf-v5"
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 VENDOR = REPO_ROOT / "vendor" / "llama.cpp"
@@ -67,6 +67,8 @@ STAMP_NAME = ".make_models.stamp"
 
 VOCAB_LLAMA = VENDOR / "models" / "ggml-vocab-llama-bpe.gguf"
 VOCAB_QWEN35 = VENDOR / "models" / "ggml-vocab-qwen35.gguf"
+#: a chat template with tool calls (Qwen 2.5's: Hermes-style <tool_call> tags), from the pinned tree
+TOOLS_TEMPLATE = VENDOR / "models" / "templates" / "Qwen-Qwen2.5-7B-Instruct.jinja"
 
 # ---- model dimensions ---------------------------------------------------------------
 E = 64  # n_embd of every target / draft (except the deliberately broken ones)
@@ -413,6 +415,7 @@ def _write_llama(
     logit_std: float = LOGIT_STD,
     seed_name: str | None = None,
     q8_0: bool = False,
+    chat_template: str | None = None,
 ) -> None:
     rng = _rng(seed_name or name)
     if walk is None:
@@ -430,6 +433,8 @@ def _write_llama(
     written = {k: _Q8_0(v) if q8_0 and v.ndim == 2 else v for k, v in tensors.items()}
     kv = _base_kv(n_layer, n_embd, n_head, n_head_kv, n_ff)
     kv["{arch}.vocab_size"] = voc.n_vocab
+    if chat_template is not None:
+        kv["tokenizer.chat_template"] = chat_template
     _write_gguf(path, "llama", kv, written, voc)
 
 
@@ -780,6 +785,10 @@ def _builders() -> dict[str, Callable[[pathlib.Path], None]]:
         # targets and drafts
         "llama": lambda p: _write_llama(p, "llama", L()),
         "llama-q8": lambda p: _write_llama(p, "llama-q8", L(), q8_0=True),
+        # llama's weights with a chat template that calls tools
+        "llama-tools": lambda p: _write_llama(
+            p, "llama-tools", L(), seed_name="llama", chat_template=TOOLS_TEMPLATE.read_text()
+        ),
         "gemma3-swa": lambda p: _write_gemma3(p, "gemma3-swa", L()),
         # softer logits (std 8): at temperature 1 a handful of tokens share the mass
         "llama-soft": lambda p: _write_llama(p, "llama-soft", L(), logit_std=8.0),

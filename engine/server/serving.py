@@ -1,0 +1,243 @@
+"""OpenAI's completions and chat completions over an :class:`~engine.Engine`: a validated
+request (:class:`~engine.server.protocol.ApiCall`) becomes engine requests, and their
+outputs become response objects or server-sent event chunks.
+
+No HTTP here: the same code answers ``engine serve``'s routes and any other front (a
+cluster replica). Each choice is one engine request; the choices of one call are read
+through one :class:`~engine.scheduler.engine.StreamGroup`, so no task is started per choice
+and a stream can be read from any task (the response body's).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
+
+from ..logs import get_logger
+from ..scheduler import Delta, Engine, RequestError, RequestMetrics, RequestOutput, SamplingParams
+from ..scheduler.engine import StreamGroup
+from ..session import ChatMessage, ClosedError
+from . import protocol
+from .protocol import ApiCall
+
+__all__ = ["OpenAIServing", "sse"]
+
+log = get_logger("engine.server")
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    """One server-sent event holding ``obj`` as JSON."""
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+class OpenAIServing:
+    """Answers validated API calls from ``engine`` under the name ``model_name``."""
+
+    def __init__(self, engine: Engine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def call(self, body: protocol.CompletionRequest | protocol.ChatRequest) -> ApiCall:
+        """What the engine runs for ``body``.
+
+        :raises ProtocolError: a value this engine cannot honour.
+        """
+        model = self.engine.model
+        return protocol.engine_call(body, self.engine.config.n_ctx, model.n_vocab)
+
+    async def complete(self, call: ApiCall) -> dict[str, Any]:
+        """The whole response of a non-streamed call.
+
+        :raises: the first engine error (the other choices are aborted).
+        """
+        r = _Response(self, call)
+        choices = call.choices()
+        results: dict[int, RequestOutput] = {}
+        if len(choices) == 1:
+            index, prompt = choices[0]
+            results[index] = await self.engine.generate(prompt, call.params, **r.request_args(index))
+        else:
+            async with r.group() as group:
+                async for index, delta in group:
+                    if delta.output is not None:
+                        results[index] = delta.output
+        return r.envelope(
+            [r.choice(index, results[index]) for index in sorted(results)],
+            usage=r.usage({i: out.metrics for i, out in results.items()}),
+        )
+
+    async def stream(self, call: ApiCall) -> AsyncIterator[bytes]:
+        """The server-sent events of a streamed call, to ``data: [DONE]``. Every request is
+        submitted before this returns, so that a refusal (a full queue, a prompt too long)
+        is raised here, before the response starts. Closing the iterator aborts them."""
+        r = _Response(self, call)
+        group = r.group()
+        await group.start()
+        return r.events(group)
+
+
+class _Response:
+    """One API call's response: its id, its choices' engine requests, their chunks."""
+
+    def __init__(self, serving: OpenAIServing, call: ApiCall) -> None:
+        self.serving = serving
+        self.engine = serving.engine
+        self.call = call
+        self.chat = call.is_chat
+        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = protocol.now()
+
+    def request_args(self, index: int) -> dict[str, Any]:
+        return {
+            "request_id": f"{self.id}-{index}",
+            "cache_prompt": self.call.cache_prompt,
+            "chat": self.call.chat,
+        }
+
+    def params(self, index: int) -> SamplingParams:
+        params = self.call.params
+        if params.seed is None or index == 0:
+            return params
+        return replace(params, seed=(params.seed + index) % 2**32)  # reproducible, distinct
+
+    def group(self) -> StreamGroup:
+        return self.engine.stream_group(
+            [
+                self.engine.stream(prompt, self.params(index), **self.request_args(index))
+                for index, prompt in self.call.choices()
+            ]
+        )
+
+    def usage(self, metrics: dict[int, RequestMetrics]) -> dict[str, Any]:
+        n = self.call.n
+        per_prompt = [metrics[p * n] for p in range(len(self.call.prompts)) if p * n in metrics]
+        return protocol.usage(per_prompt, list(metrics.values()))
+
+    def envelope(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        streamed = self.call.stream
+        kind = "chat.completion.chunk" if streamed else "chat.completion"
+        return {
+            "id": self.id,
+            "object": kind if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.serving.model_name,
+            "system_fingerprint": None,
+            "choices": choices,
+            **extra,
+        }
+
+    def _echo(self, index: int) -> str:
+        """The prompt of choice ``index`` as text (completions with ``echo``)."""
+        prompt = self.call.prompts[index // self.call.n]
+        return prompt if isinstance(prompt, str) else self.engine.model.detokenize(prompt)
+
+    # --- whole responses ----------------------------------------------------------------
+    def choice(self, index: int, out: RequestOutput) -> dict[str, Any]:
+        reason = protocol.finish_reason(out.finish_reason, out.message)
+        if self.chat:
+            return {
+                "index": index,
+                "message": protocol.chat_message(out.message, out.text, self.call.include_reasoning),
+                "logprobs": None if out.logprobs is None else protocol.chat_logprobs(out.logprobs),
+                "finish_reason": reason,
+            }
+        return {
+            "index": index,
+            "text": self._echo(index) + out.text if self.call.echo else out.text,
+            "logprobs": None if out.logprobs is None else protocol.completion_logprobs(out.logprobs),
+            "finish_reason": reason,
+        }
+
+    # --- server-sent events ---------------------------------------------------------------
+    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
+        extra: dict[str, Any] = {}
+        if usage is not None:
+            extra["usage"] = usage
+        elif self.call.include_usage:
+            extra["usage"] = None
+        return sse(self.envelope(choices, **extra))
+
+    async def events(self, group: StreamGroup) -> AsyncIterator[bytes]:
+        """The chunks of every choice in the order they come, the usage chunk if asked
+        for, then ``[DONE]``; a request failing mid-stream ends it with an error event."""
+        finals: dict[int, RequestMetrics] = {}
+        offsets: dict[int, int] = {}
+        held: dict[int, str] = {}  # thinking not streamed (stream_reasoning false)
+        generated = 0
+        try:
+            for index, _ in self.call.choices():
+                if self.chat:
+                    delta: dict[str, Any] = {"role": "assistant", "content": ""}
+                    yield self._chunk(
+                        [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}]
+                    )
+                elif self.call.echo:
+                    text = self._echo(index)
+                    yield self._chunk(
+                        [{"index": index, "text": text, "logprobs": None, "finish_reason": None}]
+                    )
+            async for index, d in group:
+                generated += len(d.token_ids)
+                usage = {"completion_tokens": generated} if self.call.continuous_usage else None
+                for choice in self._delta_choices(index, d, offsets, held):
+                    yield self._chunk([choice], usage)
+                if d.output is not None:
+                    finals[index] = d.output.metrics
+            if self.call.include_usage:
+                yield sse(self.envelope([], usage=self.usage(finals)))
+        except (RequestError, ClosedError) as exc:  # the request failed (or the engine stopped) mid-stream
+            log.warning("server.stream_failed", error=repr(exc))
+            yield sse(protocol.error_body(str(exc), "server_error"))
+        finally:
+            await group.aclose()  # (aborts what has not finished: the client left, or one failed)
+        yield DONE
+
+    def _delta_choices(
+        self, index: int, d: Delta, offsets: dict[int, int], held: dict[int, str]
+    ) -> list[dict[str, Any]]:
+        """The chunk choices of one engine delta: its content (and thinking, tool calls),
+        then, at the end, the finish reason on its own, as OpenAI sends it."""
+        reason = d.finish_reason  # stop, length; "abort" when the server shuts down (as vLLM)
+        logprobs = None
+        if d.logprobs is not None:
+            if self.chat:
+                logprobs = protocol.chat_logprobs(d.logprobs)
+            else:
+                logprobs = protocol.completion_logprobs(d.logprobs, offsets.get(index, 0))
+                offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
+        if not self.chat:
+            if not d.text and not d.token_ids and reason is None:
+                return []
+            return [{"index": index, "text": d.text, "logprobs": logprobs, "finish_reason": reason}]
+        out = []
+        delta: dict[str, Any] = {}
+        reasoning = d.reasoning if self.call.include_reasoning else ""
+        if reasoning and not self.call.stream_reasoning:
+            held[index] = held.get(index, "") + reasoning  # handed out whole, before the answer
+            reasoning = ""
+        if index in held and (d.text or d.tool_calls or reason is not None):
+            reasoning = held.pop(index) + reasoning
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if d.text:
+            delta["content"] = d.text
+        if d.tool_calls:
+            delta["tool_calls"] = protocol.tool_call_deltas(d.tool_calls)
+        if delta or logprobs is not None:
+            out.append({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None})
+        if reason is not None:
+            message: ChatMessage | None = d.output.message if d.output is not None else None
+            out.append(
+                {
+                    "index": index,
+                    "delta": {},
+                    "logprobs": None,
+                    "finish_reason": protocol.finish_reason(reason, message),
+                }
+            )
+        return out
