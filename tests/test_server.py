@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -584,6 +584,11 @@ async def test_the_api_as_clients_and_routers_speak_it(model_paths: dict[str, Pa
             and first["logprobs"] is None
             and first["delta"]["role"] == "assistant"
         )
+        # vLLM's structured outputs: a choice is a grammar; what cannot be honoured is refused
+        choice = {"model": MODEL, "prompt": "x", "max_tokens": 5, "guided_choice": ["yes", "no"]}
+        assert (await http.post("/v1/completions", json=choice)).json()["choices"][0]["text"] in ("yes", "no")
+        r = await http.post("/v1/completions", json={**choice, "guided_choice": None, "guided_regex": "a+"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex"
         # min_tokens: the end of generation is banned until then
         eot = engine.model.info.eog_tokens[0]
         forced = {"model": MODEL, "prompt": "x", "max_tokens": 20, "logit_bias": {str(eot): 100}}
@@ -602,3 +607,100 @@ async def test_the_api_as_clients_and_routers_speak_it(model_paths: dict[str, Pa
         assert (
             await http.post("/v1/chat/completions", json={"model": MODEL, "messages": history})
         ).status_code == 200
+
+
+@contextlib.contextmanager
+def processes(*commands: list[str]) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Started processes, terminated (then killed) when the block ends."""
+    procs = [subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for c in commands]
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            if p.stderr is not None:
+                p.stderr.close()
+
+
+async def wait_healthy(base: str, path: str = "/health", timeout: float = 60) -> None:
+    async with httpx.AsyncClient(base_url=base, timeout=5) as http:
+        with anyio.fail_after(timeout):
+            while True:
+                with contextlib.suppress(httpx.TransportError):
+                    if (await http.get(path)).status_code == 200:
+                        return
+                await anyio.sleep(0.2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("router", "policy"),
+    [("sglang_router.launch_router", "cache_aware"), ("vllm_router.launch_router", "consistent_hash")],
+)
+async def test_a_router_in_front_of_two_servers_keeps_conversations_on_their_cache(
+    model_paths: dict[str, Path], router: str, policy: str
+) -> None:
+    """sglang-router (cache-aware) and vllm-router (sticky on the session header), with
+    their own request fields, in front of two ``engine serve`` workers: every request
+    succeeds, and a conversation's later turns find their history in the KV cache of the
+    worker the router chose."""
+    workers = [_free_port(), _free_port()]
+    port, metrics_port = _free_port(), _free_port()
+    serve = [sys.executable, "-m", "engine", "serve", "--model", str(model_paths["walk-llama"])]
+    serve += [
+        "--served-model-name",
+        MODEL,
+        "--n-seq",
+        "8",
+        "--n-ctx",
+        "1024",
+        "--threads",
+        "1",
+        "--spec",
+        "none",
+    ]
+    route = [sys.executable, "-m", router, "--policy", policy, "--port", str(port)]
+    route += [
+        "--prometheus-port",
+        str(metrics_port),
+        "--worker-urls",
+        *(f"http://127.0.0.1:{w}" for w in workers),
+    ]
+    with processes(*([*serve, "--port", str(w)] for w in workers)):
+        for w in workers:
+            await wait_healthy(f"http://127.0.0.1:{w}")
+        with processes(route):
+            await wait_healthy(f"http://127.0.0.1:{port}", "/v1/models")
+            async with client(f"http://127.0.0.1:{port}") as api:
+
+                async def conversation(i: int) -> list[int]:
+                    messages: list[Any] = [
+                        {"role": "user", "content": f"conversation {i}: tell me about {i * 7}"}
+                    ]
+                    cached = []
+                    session = {"x-session-id": f"conversation-{i}"}
+                    for turn in range(3):
+                        out = await api.chat.completions.create(
+                            model=MODEL, messages=messages, max_tokens=8, extra_headers=session
+                        )
+                        assert out.usage is not None and out.usage.prompt_tokens_details is not None
+                        cached.append(out.usage.prompt_tokens_details.cached_tokens or 0)
+                        messages += [
+                            {"role": "assistant", "content": out.choices[0].message.content},
+                            {"role": "user", "content": f"and turn {turn}?"},
+                        ]
+                    stream = await api.chat.completions.create(
+                        model=MODEL, messages=messages, max_tokens=4, stream=True
+                    )
+                    assert [c async for c in stream][-1].choices[0].finish_reason == "length"
+                    return cached
+
+                turns = await gather(*(conversation(i) for i in range(8)))
+    assert all(t[0] == 0 or t[0] < 8 for t in turns)  # (a first turn shares at most the template's start)
+    assert all(c > 0 for t in turns for c in t[1:]), turns

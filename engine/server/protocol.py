@@ -10,6 +10,7 @@ and llama-server clients and routers are accepted with the types those servers a
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import time
@@ -131,13 +132,28 @@ class _Sampling(_Body):
     # what the routers may send that cannot be honoured here: refused unless null or off
     regex: StrictStr | None = None
     ebnf: StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_grammar: StrictStr | None = None  # (vLLM's: EBNF/Lark, not GBNF)
+    chat_template: StrictStr | None = None  # (vLLM: a template per request)
+    # vLLM's structured outputs, older names
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_choice: Annotated[list[StrictStr], Field(min_length=1)] | None = None
 
     def check_unsupported(self) -> None:
-        for name in ("regex", "ebnf"):
+        for name in ("regex", "ebnf", "guided_regex", "guided_grammar", "chat_template"):
             if getattr(self, name):
-                raise ProtocolError(f"{name} is not supported (use json_schema or grammar)", name)
+                raise ProtocolError(f"{name} is not supported here (use json_schema or grammar)", name)
         if self.return_hidden_states:
             raise ProtocolError("return_hidden_states is not supported", "return_hidden_states")
+
+    def gbnf(self) -> str | None:
+        """The request's GBNF grammar: ``grammar`` (llama-server), or ``guided_choice``
+        (vLLM: one of the strings)."""
+        if self.guided_choice is not None:
+            if self.grammar:
+                raise ProtocolError("give grammar or guided_choice, not both", "guided_choice")
+            return "root ::= " + " | ".join(json.dumps(c) for c in self.guided_choice)
+        return self.grammar or None
 
 
 class CompletionRequest(_Sampling):
@@ -395,11 +411,14 @@ def engine_call(body: CompletionRequest | ChatRequest, n_ctx: int, n_vocab: int)
         if body.echo and logprobs is not None:
             raise ProtocolError("echo with logprobs is not supported (no prompt log-probabilities)", "echo")
         prompts = body.prompts()
-    if body.json_schema is not None:
-        if schema is not None:
-            raise ProtocolError("give response_format or json_schema, not both", "json_schema")
-        schema = body.json_schema
-    if schema is not None and body.grammar:
+    for name in ("json_schema", "guided_json"):
+        value = getattr(body, name)
+        if value is not None:
+            if schema is not None:
+                raise ProtocolError("give one JSON schema (response_format, json_schema or guided_json)", name)
+            schema = value
+    grammar = body.gbnf()
+    if schema is not None and grammar:
         raise ProtocolError("give a grammar or a JSON schema, not both", "grammar")
     if len(prompts) * (body.n or 1) > MAX_CHOICES:
         raise ProtocolError(f"at most {MAX_CHOICES} choices (prompts x n) per request", "n")
@@ -426,7 +445,7 @@ def engine_call(body: CompletionRequest | ChatRequest, n_ctx: int, n_vocab: int)
         stop=stop,
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=bool(body.ignore_eos),
-        grammar=body.grammar or None,
+        grammar=grammar,
         json_schema=schema,
         logit_bias=bias or None,
         logprobs=logprobs,
