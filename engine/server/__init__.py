@@ -58,7 +58,12 @@ async def serve(
             yield
 
     app = create_app(
-        engine, model_name=model_name, api_key=api_key, limits=limits, lifespan=lifespan, strict_params=strict_params
+        engine,
+        model_name=model_name,
+        api_key=api_key,
+        limits=limits,
+        lifespan=lifespan,
+        strict_params=strict_params,
     )
 
     class Server(uvicorn.Server):

@@ -415,7 +415,9 @@ def engine_call(body: CompletionRequest | ChatRequest, n_ctx: int, n_vocab: int)
         value = getattr(body, name)
         if value is not None:
             if schema is not None:
-                raise ProtocolError("give one JSON schema (response_format, json_schema or guided_json)", name)
+                raise ProtocolError(
+                    "give one JSON schema (response_format, json_schema or guided_json)", name
+                )
             schema = value
     grammar = body.gbnf()
     if schema is not None and grammar:
