@@ -122,10 +122,12 @@ class OutputState(Protocol):
 
 class TextAssembler:
     """Turns token bytes into text: holds back incomplete UTF-8 characters and any tail
-    that could still grow into a stop string; cuts the text at the first stop string."""
+    that could still grow into a stop string; cuts the text at the first stop string (after
+    it with ``keep_stop``)."""
 
-    def __init__(self, stop: tuple[str, ...]) -> None:
+    def __init__(self, stop: tuple[str, ...], keep_stop: bool = False) -> None:
         self._stop = stop
+        self._keep_stop = keep_stop
         self._hold = max((len(s) for s in stop), default=1) - 1
         self._bytes = b""
         self.text = ""  # complete text so far (stop string excluded once found)
@@ -144,7 +146,7 @@ class TextAssembler:
         for s in self._stop:
             i = self.text.find(s, start)
             if i >= 0:
-                self.text = self.text[:i]
+                self.text = self.text[: i + len(s) if self._keep_stop else i]
                 self.stopped = True
                 start = i
 

@@ -22,7 +22,8 @@ class SamplingParams:
     """How one request samples and when it stops.
 
     ``temperature`` 0 is greedy. Stop strings are matched across token boundaries and are
-    not part of the output; ``stop_token_ids`` end generation without being emitted.
+    not part of the output (unless ``include_stop_str_in_output``); ``stop_token_ids`` end
+    generation without being emitted.
     ``grammar`` (GBNF) or ``json_schema`` constrain the output through llama.cpp's own
     grammar sampler. ``min_tokens``: end-of-generation and stop token ids are banned until
     this many tokens are generated. ``skip_special_tokens=False`` renders special tokens
@@ -51,6 +52,7 @@ class SamplingParams:
     logprobs: int | None = None
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         _check(
@@ -92,7 +94,8 @@ class SamplingParams:
             self.logprobs is None or (isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)),
             f"logprobs must be an int in [0, {_nb_spec.MAX_LOGPROBS}] or None, got {self.logprobs!r}",
         )
-        _check(isinstance(self.skip_special_tokens, bool), "skip_special_tokens must be a bool")
+        for name in ("skip_special_tokens", "include_stop_str_in_output"):
+            _check(isinstance(getattr(self, name), bool), f"{name} must be a bool")
         bias = self.logit_bias or {}
         _check(
             isinstance(bias, dict)

@@ -215,7 +215,7 @@ class Request:
     done: anyio.Event = field(default_factory=anyio.Event)
 
     def __post_init__(self) -> None:
-        self.text = TextAssembler(self.params.stop)
+        self.text = TextAssembler(self.params.stop, self.params.include_stop_str_in_output)
         if self.params.logprobs is not None:
             self.output_logprobs = []
 

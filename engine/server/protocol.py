@@ -124,10 +124,10 @@ class _Sampling(_Body):
     cache_prompt: StrictBool | None = None  # (llama-server) reuse a cached prefix
     grammar: StrictStr | None = None  # (llama-server) GBNF
     json_schema: dict[str, Any] | StrictStr | None = None  # (llama-server, SGLang)
+    include_stop_str_in_output: StrictBool | None = None  # (vLLM) the stop string stays in the text
+    no_stop_trim: StrictBool | None = None  # (SGLang) the same
     # accepted, not applied (routers send them on every request)
-    no_stop_trim: StrictBool | None = None
     spaces_between_special_tokens: StrictBool | None = None
-    include_stop_str_in_output: StrictBool | None = None
     return_hidden_states: StrictBool | None = None
     # what the routers may send that cannot be honoured here: refused unless null or off
     regex: StrictStr | None = None
@@ -453,6 +453,7 @@ def engine_call(body: CompletionRequest | ChatRequest, n_ctx: int, n_vocab: int)
         logprobs=logprobs,
         min_tokens=body.min_tokens or 0,
         skip_special_tokens=body.skip_special_tokens is not False,
+        include_stop_str_in_output=bool(body.include_stop_str_in_output or body.no_stop_trim),
     )
     return ApiCall(body, params, prompts, chat)
 

@@ -30,9 +30,13 @@ log = get_logger("engine.server")
 DONE = b"data: [DONE]\n\n"
 
 
+def _json(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
 def sse(obj: dict[str, Any]) -> bytes:
     """One server-sent event holding ``obj`` as JSON."""
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + _json(obj) + b"\n\n"
 
 
 class OpenAIServing:
@@ -91,6 +95,12 @@ class _Response:
         self.chat = call.is_chat
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = protocol.now()
+        self.include_usage = call.include_usage
+        self.include_reasoning = call.include_reasoning
+        # a chunk is this envelope around its choices, serialised once per response
+        head = _json({k: v for k, v in self.envelope([]).items() if k != "choices"})
+        self._head = b"data: " + head[:-1] + b',"choices":['
+        self._tail = b'],"usage":null}\n\n' if self.include_usage else b"]}\n\n"
 
     def request_args(self, index: int) -> dict[str, Any]:
         return {
@@ -155,12 +165,9 @@ class _Response:
 
     # --- server-sent events ---------------------------------------------------------------
     def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
-        extra: dict[str, Any] = {}
         if usage is not None:
-            extra["usage"] = usage
-        elif self.call.include_usage:
-            extra["usage"] = None
-        return sse(self.envelope(choices, **extra))
+            return sse(self.envelope(choices, usage=usage))
+        return self._head + b",".join(_json(c) for c in choices) + self._tail
 
     async def events(self, group: StreamGroup) -> AsyncIterator[bytes]:
         """The chunks of every choice in the order they come, the usage chunk if asked
@@ -188,7 +195,7 @@ class _Response:
                     yield self._chunk([choice], usage)
                 if d.output is not None:
                     finals[index] = d.output.metrics
-            if self.call.include_usage:
+            if self.include_usage:
                 yield sse(self.envelope([], usage=self.usage(finals)))
         except (RequestError, ClosedError) as exc:  # the request failed (or the engine stopped) mid-stream
             log.warning("server.stream_failed", error=repr(exc))
@@ -216,7 +223,7 @@ class _Response:
             return [{"index": index, "text": d.text, "logprobs": logprobs, "finish_reason": reason}]
         out = []
         delta: dict[str, Any] = {}
-        reasoning = d.reasoning if self.call.include_reasoning else ""
+        reasoning = d.reasoning if self.include_reasoning else ""
         if reasoning and not self.call.stream_reasoning:
             held[index] = held.get(index, "") + reasoning  # handed out whole, before the answer
             reasoning = ""
