@@ -573,10 +573,6 @@ class RequestStream:
             self._request = await submit(group)
             self._parser = self._request.chat_parser()
 
-    @property
-    def request(self) -> Request | None:
-        return self._request
-
     def __aiter__(self) -> RequestStream:
         return self
 
