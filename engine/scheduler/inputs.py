@@ -132,8 +132,10 @@ class InputProcessor:
         :raises InvalidArgumentError: anything else.
         """
         model = self.model
-        if isinstance(prompt, str):  # ("" is the start of a document: BOS, where the model adds one)
-            return await model.atokenize(prompt, add_special=add_special, parse_special=True)
+        if isinstance(prompt, str):
+            return (
+                await model.atokenize(prompt, add_special=add_special, parse_special=True) if prompt else []
+            )
         items = list(prompt) if isinstance(prompt, list | tuple) else None
         ids = [t for t in items or () if isinstance(t, int) and not isinstance(t, bool)]
         if items is not None and len(ids) == len(items):

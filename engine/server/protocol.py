@@ -165,11 +165,14 @@ class CompletionRequest(_Sampling):
     suffix: StrictStr | None = None
     best_of: StrictInt | None = None
 
-    def prompts(self) -> list[str | list[int]]:
-        """The prompts of a (possibly batched) completion request."""
+    def prompts(self, bos: int | None = None) -> list[str | list[int]]:
+        """The prompts of a (possibly batched) completion request; ``null`` is OpenAI's
+        default, the start of a document (the model's ``bos`` token)."""
         p = self.prompt
         if p is None:
-            return [""]  # OpenAI's default: generate from the start of a document
+            if bos is None:
+                raise ProtocolError("prompt is required: the model has no start-of-document token", "prompt")
+            return [[bos]]
         if isinstance(p, str) or (p and isinstance(p[0], int)):
             return [p]
         if not p:
@@ -385,8 +388,11 @@ def _validation_error(exc: ValidationError) -> ProtocolError:
     return ProtocolError(f"invalid value for {loc}: {first.get('msg')}", loc, code="invalid_value")
 
 
-def engine_call(body: CompletionRequest | ChatRequest, n_ctx: int, n_vocab: int) -> ApiCall:
-    """What the engine runs for ``body``: its parameters, prompts and chat options.
+def engine_call(
+    body: CompletionRequest | ChatRequest, n_ctx: int, n_vocab: int, bos: int | None = None
+) -> ApiCall:
+    """What the engine runs for ``body``: its parameters, prompts and chat options
+    (``bos``: the model's start-of-document token, if it has one).
 
     :raises ProtocolError: a value the engine cannot honour.
     """
@@ -410,7 +416,7 @@ def engine_call(body: CompletionRequest | ChatRequest, n_ctx: int, n_vocab: int)
             raise ProtocolError("best_of other than n is not supported", "best_of")
         if body.echo and logprobs is not None:
             raise ProtocolError("echo with logprobs is not supported (no prompt log-probabilities)", "echo")
-        prompts = body.prompts()
+        prompts = body.prompts(bos)
     for name in ("json_schema", "guided_json"):
         value = getattr(body, name)
         if value is not None:

@@ -51,8 +51,9 @@ class OpenAIServing:
 
         :raises ProtocolError: a value this engine cannot honour.
         """
-        model = self.engine.model
-        return protocol.engine_call(body, self.engine.config.n_ctx, model.n_vocab)
+        info = self.engine.model.info
+        bos = info.bos if info.bos >= 0 else None
+        return protocol.engine_call(body, self.engine.config.n_ctx, info.n_vocab, bos)
 
     async def complete(self, call: ApiCall) -> dict[str, Any]:
         """The whole response of a non-streamed call.
