@@ -101,8 +101,13 @@ ChatPrompt ChatTemplate::render(const ChatInputs & in) const {
         tools = named;
         choice = "required";
     }
-    if (!jinja_ && !tools.empty()) {
-        fail(ErrorKind::InvalidArgument, name_ + " cannot render tools (a llama.cpp built-in renderer)");
+    if (!tools.empty() && choice != "none") {
+        if (!jinja_) fail(ErrorKind::InvalidArgument, name_ + " cannot render tools (a llama.cpp built-in renderer)");
+        const auto caps = common_chat_templates_get_caps(tmpls_.get());
+        if (!caps.at("supports_tools") && !caps.at("supports_tool_calls")) {
+            // it would drop them silently, and no grammar could hold a call to a format it lacks
+            fail(ErrorKind::InvalidArgument, name_ + " has no tool format: it cannot render tools or calls");
+        }
     }
     ChatPrompt out;
     try {

@@ -119,6 +119,14 @@ def test_the_gguf_template_renders_tools_and_its_parser_streams_calls_in_openai_
 def test_a_template_the_chat_module_refuses_fails_the_start_naming_it(models: ModelCache) -> None:
     with pytest.raises(InvalidConfigError, match="the template given"):
         ChatTemplate(models("llama"), "{% for x in %}")
+    # a template without a tool format takes no tools (they would be dropped silently)
+    plain = ChatTemplate(models("llama"), "chatml")
+    assert plain.jinja and plain.render(ASK).prompt.endswith("<|im_start|>assistant\n")
+    with pytest.raises(InvalidArgumentError, match="no tool format"):
+        plain.render(ASK, ChatOptions(tools=[WEATHER]))
+    assert "What is the weather" in plain.render(ASK, ChatOptions(tools=[WEATHER], tool_choice="none")).prompt
+    with pytest.raises(InvalidArgumentError, match="built-in"):
+        models("llama").chat_template().render(ASK, ChatOptions(tools=[WEATHER]))
 
 
 async def test_required_and_named_calls_are_well_formed_even_from_a_random_model(
