@@ -590,7 +590,9 @@ async def test_the_api_as_clients_and_routers_speak_it(model_paths: dict[str, Pa
         r = await http.post("/v1/completions", json={**choice, "guided_choice": None, "guided_regex": "a+"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex"
         # the stop string kept in the text (vLLM's and SGLang's names)
-        plain = (await http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 6})).json()
+        plain = (
+            await http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 6})
+        ).json()
         word = plain["choices"][0]["text"].split()[1]
         for keep in ("include_stop_str_in_output", "no_stop_trim"):
             body = {"model": MODEL, "prompt": "x", "max_tokens": 6, "stop": [word], keep: True}

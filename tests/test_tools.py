@@ -195,31 +195,23 @@ async def test_thinking_comes_back_as_reasoning(model_paths: dict[str, Path]) ->
 
 async def test_tool_calls_and_reasoning_over_http_in_openai_form(model_paths: dict[str, Path]) -> None:
     async with serving(tools_config(model_paths)) as (base, engine), client(base) as api:
-        whole = await api.chat.completions.create(
-            model=MODEL,
-            messages=ASK,
-            tools=[WEATHER, TIME],
-            tool_choice="required",  # type: ignore[list-item]
-            max_tokens=CALL_TOKENS,
-            temperature=0,
-            parallel_tool_calls=False,
-        )
+        forced: Any = {
+            "model": MODEL,
+            "messages": ASK,
+            "tools": [WEATHER, TIME],
+            "tool_choice": "required",
+            "max_tokens": CALL_TOKENS,
+            "temperature": 0,
+            "parallel_tool_calls": False,
+        }
+        whole = await api.chat.completions.create(**forced)
         choice = whole.choices[0]
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
         assert choice.message.refusal is None and choice.message.tool_calls
         calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]  # type: ignore[union-attr]
         for name, arguments in calls:
             check_call(name, arguments, [WEATHER, TIME])
-        stream = await api.chat.completions.create(
-            model=MODEL,
-            messages=ASK,
-            tools=[WEATHER, TIME],
-            tool_choice="required",  # type: ignore[list-item]
-            max_tokens=CALL_TOKENS,
-            temperature=0,
-            stream=True,
-            parallel_tool_calls=False,
-        )
+        stream = await api.chat.completions.create(**forced, stream=True)
         chunks = [c async for c in stream]
         first = chunks[0].choices[0]
         assert first.delta.role == "assistant" and first.finish_reason is None and first.logprobs is None
