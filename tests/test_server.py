@@ -590,12 +590,11 @@ async def test_the_api_as_clients_and_routers_speak_it(model_paths: dict[str, Pa
         r = await http.post("/v1/completions", json={**choice, "guided_choice": None, "guided_regex": "a+"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex"
         # the stop string kept in the text (vLLM's and SGLang's names)
-        plain = (
-            await http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 6})
-        ).json()
+        greedy = {"model": MODEL, "prompt": "x", "max_tokens": 6, "temperature": 0}
+        plain = (await http.post("/v1/completions", json=greedy)).json()
         word = plain["choices"][0]["text"].split()[1]
         for keep in ("include_stop_str_in_output", "no_stop_trim"):
-            body = {"model": MODEL, "prompt": "x", "max_tokens": 6, "stop": [word], keep: True}
+            body = {**greedy, "stop": [word], keep: True}
             text = (await http.post("/v1/completions", json=body)).json()["choices"][0]["text"]
             assert text.endswith(word) and text == plain["choices"][0]["text"][: len(text)]
         # min_tokens: the end of generation is banned until then

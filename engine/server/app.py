@@ -20,14 +20,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..logs import get_logger
-from ..scheduler import Engine, QueueFullError, RequestError
-from ..session import ClosedError, InvalidArgumentError, InvalidConfigError, PromptTooLongError
+from ..scheduler import Engine
 from . import protocol
 from .metrics import metrics_registry, render
-from .protocol import ChatRequest, CompletionRequest, ProtocolError
-from .serving import OpenAIServing
+from .protocol import ChatRequest, CompletionRequest
+from .serving import Answer, Backend, OpenAIServing, api_error
 
-__all__ = ["ServerLimits", "create_app"]
+__all__ = ["OpenAIServer", "ServerLimits", "asgi_app", "create_app"]
 
 log = get_logger("engine.server")
 
@@ -107,23 +106,26 @@ class _BodyTooLarge(Exception):
 
 
 class OpenAIServer:
-    """The routes' state: the engine's OpenAI serving, the model's name, the metrics."""
+    """The routes' state: the backend that answers, the model's name, the metrics."""
 
     def __init__(
-        self, engine: Engine, model_name: str, limits: ServerLimits, strict_params: bool = False
+        self,
+        backend: Backend,
+        limits: ServerLimits,
+        strict_params: bool = False,
+        registry: Any = None,
     ) -> None:
-        self.engine = engine
-        self.model_name = model_name
+        self.backend = backend
+        self.model_name = backend.model_name
         self.limits = limits
         self.strict_params = strict_params  # unknown request fields get 400 (else logged)
-        self.serving = OpenAIServing(engine, model_name)
-        self.registry = metrics_registry(engine, model_name)
+        self.registry = registry  # Prometheus (None: no /metrics)
         self.draining = False  # shutting down: new requests get 503
         self.created = protocol.now()
 
     # --- plain endpoints -----------------------------------------------------------------
     async def health(self, request: Request) -> Response:
-        if self.draining or not self.engine.serving:
+        if self.draining or not self.backend.serving:
             return error(503, "the engine is not serving", "service_unavailable", code="unavailable")
         return JSONResponse({"status": "ok"})
 
@@ -136,6 +138,8 @@ class OpenAIServer:
         return JSONResponse(self._model_card())
 
     async def metrics(self, request: Request) -> Response:
+        if self.registry is None:
+            return error(404, "no metrics here", code="not_found")
         return Response(render(self.registry), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     def _model_card(self) -> dict[str, Any]:
@@ -152,31 +156,32 @@ class OpenAIServer:
         return await self._serve(request, ChatRequest)
 
     async def _serve(self, request: Request, kind: type[CompletionRequest] | type[ChatRequest]) -> Response:
-        prompt_param = "messages" if kind is ChatRequest else "prompt"
         try:
             body = protocol.parse(kind, await request.body(), strict=self.strict_params)
             if body.model != self.model_name:
                 return self._unknown_model(body.model)
             if self.draining:
                 return error(503, "the server is shutting down", "service_unavailable", code="unavailable")
-            call = self.serving.call(body)
-            if call.stream:
-                return StreamingResponse(
-                    await self.serving.stream(call),
-                    media_type="text/event-stream",
-                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                )
-            result = await _unless_disconnected(request, self.serving.complete(call))
-            return JSONResponse(result) if result is not None else Response(status_code=499)
+            if body.stream:
+                answer = await self.backend.answer(body)
+                assert answer.chunks is not None
+                headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **answer.headers}
+                return StreamingResponse(answer.chunks, media_type="text/event-stream", headers=headers)
+            whole = await _unless_disconnected(request, self.backend.answer(body))
+            if whole is None:
+                return Response(status_code=499)
+            return JSONResponse(whole.body, headers=whole.headers)
         except Exception as exc:  # noqa: BLE001 - every failure is an OpenAI-style error
-            return _engine_error(exc, prompt_param, self.limits)
+            prompt_param = "messages" if kind is ChatRequest else "prompt"
+            e = api_error(exc, prompt_param, self.limits.retry_after_s)
+            return JSONResponse(e.body, status_code=e.status, headers=e.headers)
 
 
-async def _unless_disconnected(request: Request, work: Awaitable[dict[str, Any]]) -> dict[str, Any] | None:
+async def _unless_disconnected(request: Request, work: Awaitable[Answer]) -> Answer | None:
     """``work``'s result, or None once the client has gone away: then its requests are
     cancelled (aborted in the engine), as a streamed request's are. The task group is
     entered and left in this task."""
-    result: dict[str, Any] | None = None
+    result: Answer | None = None
 
     async def run(scope: anyio.CancelScope) -> None:
         nonlocal result
@@ -194,32 +199,6 @@ async def _unless_disconnected(request: Request, work: Awaitable[dict[str, Any]]
     return result
 
 
-def _engine_error(exc: BaseException, prompt_param: str, limits: ServerLimits) -> Response:
-    if isinstance(exc, ProtocolError):
-        return error(exc.status, str(exc), param=exc.param, code=exc.error_code)
-    if isinstance(exc, PromptTooLongError):
-        return error(400, str(exc), param=prompt_param, code="context_length_exceeded")
-    if isinstance(exc, QueueFullError):
-        return error(
-            429,
-            "the server is at capacity: retry later",
-            "rate_limit_exceeded",
-            code="rate_limit_exceeded",
-            headers={"Retry-After": str(limits.retry_after_s)},
-        )
-    if isinstance(exc, InvalidConfigError | InvalidArgumentError):
-        return error(400, str(exc), code="invalid_value")
-    if isinstance(exc, ClosedError):
-        return error(503, "the engine is not serving", "service_unavailable", code="unavailable")
-    if isinstance(exc, RequestError) and isinstance(exc.__cause__, InvalidConfigError | InvalidArgumentError):
-        return error(400, str(exc.__cause__), code="invalid_value")  # e.g. a schema the grammar rejects
-    if isinstance(exc, RequestError):
-        log.warning("server.request_failed", error=repr(exc))
-        return error(500, str(exc), "server_error")
-    log.error("server.internal_error", error=repr(exc))
-    return error(500, "internal error", "server_error")
-
-
 def create_app(
     engine: Engine,
     *,
@@ -235,7 +214,15 @@ def create_app(
     not know gets 400, as OpenAI's own API answers (by default it is accepted and logged,
     as vLLM and llama-server do: routers and clients add their own)."""
     limits = limits or ServerLimits()
-    server = OpenAIServer(engine, model_name, limits, strict_params)
+    server = OpenAIServer(
+        OpenAIServing(engine, model_name), limits, strict_params, metrics_registry(engine, model_name)
+    )
+    return asgi_app(server, api_key=api_key, lifespan=lifespan)
+
+
+def asgi_app(server: OpenAIServer, *, api_key: str | None = None, lifespan: Any = None) -> Any:
+    """The routes of ``server`` behind the guard (API key, body size)."""
+    limits = server.limits
     routes = [
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.metrics, methods=["GET"]),

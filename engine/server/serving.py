@@ -1,11 +1,13 @@
 """OpenAI's completions and chat completions over an :class:`~engine.Engine`: a validated
 request (:class:`~engine.server.protocol.ApiCall`) becomes engine requests, and their
-outputs become response objects or server-sent event chunks.
+outputs become response objects or server-sent event chunks; every failure becomes an
+OpenAI-style error (:func:`api_error`).
 
-No HTTP here: the same code answers ``engine serve``'s routes and any other front (a
-cluster replica). Each choice is one engine request; the choices of one call are read
-through one :class:`~engine.scheduler.engine.StreamGroup`, so no task is started per choice
-and a stream can be read from any task (the response body's).
+No HTTP here: the same code answers ``engine serve``'s routes and a cluster replica's
+calls (``engine.cluster``). The routes answer from a :class:`Backend`: this engine
+(:class:`OpenAIServing`), or a cluster's replicas. Each choice is one engine request; the
+choices of one call are read through one :class:`~engine.scheduler.engine.StreamGroup`,
+so no task is started per choice and a stream can be read from any task.
 """
 
 from __future__ import annotations
@@ -13,17 +15,33 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import replace
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 
 from ..logs import get_logger
-from ..scheduler import Delta, Engine, RequestError, RequestMetrics, RequestOutput, SamplingParams
+from ..scheduler import (
+    Delta,
+    Engine,
+    QueueFullError,
+    RequestError,
+    RequestMetrics,
+    RequestOutput,
+    SamplingParams,
+)
 from ..scheduler.engine import StreamGroup
-from ..session import ChatMessage, ClosedError
+from ..session import (
+    ChatMessage,
+    ClosedError,
+    InvalidArgumentError,
+    InvalidConfigError,
+    PromptTooLongError,
+)
 from . import protocol
-from .protocol import ApiCall
+from .protocol import ApiCall, ChatRequest, CompletionRequest, ProtocolError
 
-__all__ = ["OpenAIServing", "sse"]
+__all__ = ["Answer", "ApiError", "Backend", "OpenAIServing", "api_error", "sse"]
+
+Body = CompletionRequest | ChatRequest
 
 log = get_logger("engine.server")
 
@@ -39,12 +57,96 @@ def sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + _json(obj) + b"\n\n"
 
 
+class ApiError(Exception):
+    """A failure as OpenAI's API reports it: an HTTP status, an error body, headers."""
+
+    def __init__(self, status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
+        super().__init__(body["error"]["message"])
+        self.status = status
+        self.body = body
+        self.headers = headers or {}
+
+
+def api_error(exc: BaseException, prompt_param: str = "prompt", retry_after_s: int = 1) -> ApiError:
+    """The OpenAI-style error for any failure of a call (one place for every status)."""
+
+    def err(status: int, message: str, type_: str = "invalid_request_error", **kw: Any) -> ApiError:
+        headers = kw.pop("headers", None)
+        return ApiError(status, protocol.error_body(message, type_, **kw), headers)
+
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, ProtocolError):
+        return err(exc.status, str(exc), param=exc.param, code=exc.error_code)
+    if isinstance(exc, PromptTooLongError):
+        return err(400, str(exc), param=prompt_param, code="context_length_exceeded")
+    if isinstance(exc, QueueFullError):
+        return err(
+            429,
+            "the server is at capacity: retry later",
+            "rate_limit_exceeded",
+            code="rate_limit_exceeded",
+            headers={"Retry-After": str(retry_after_s)},
+        )
+    if isinstance(exc, InvalidConfigError | InvalidArgumentError):
+        return err(400, str(exc), code="invalid_value")
+    if isinstance(exc, ClosedError):
+        return err(503, "the engine is not serving", "service_unavailable", code="unavailable")
+    if isinstance(exc, RequestError) and isinstance(exc.__cause__, InvalidConfigError | InvalidArgumentError):
+        return err(400, str(exc.__cause__), code="invalid_value")  # e.g. a schema the grammar rejects
+    if isinstance(exc, RequestError):
+        log.warning("server.request_failed", error=repr(exc))
+        return err(500, str(exc), "server_error")
+    log.error("server.internal_error", error=repr(exc))
+    return err(500, "internal error", "server_error")
+
+
+@dataclass
+class Answer:
+    """What a call answers: a whole response (``body``) or server-sent events
+    (``chunks``, to ``[DONE]``), and headers for the HTTP response."""
+
+    body: dict[str, Any] | None = None
+    chunks: AsyncIterator[bytes] | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+class Backend(Protocol):
+    """What the HTTP routes answer from."""
+
+    model_name: str
+
+    @property
+    def serving(self) -> bool:
+        """Able to answer (the health check)."""
+        ...
+
+    async def answer(self, body: Body) -> Answer:
+        """Answer a validated request; a stream's requests are submitted before this
+        returns, so that a refusal is raised here, before the response starts.
+
+        :raises: the failure (mapped by :func:`api_error`).
+        """
+        ...
+
+
 class OpenAIServing:
-    """Answers validated API calls from ``engine`` under the name ``model_name``."""
+    """Answers validated API calls from ``engine`` under the name ``model_name``: the
+    :class:`Backend` of one engine."""
 
     def __init__(self, engine: Engine, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
+
+    @property
+    def serving(self) -> bool:
+        return self.engine.serving
+
+    async def answer(self, body: Body) -> Answer:
+        call = self.call(body)
+        if call.stream:
+            return Answer(chunks=await self.stream(call))
+        return Answer(body=await self.complete(call))
 
     def call(self, body: protocol.CompletionRequest | protocol.ChatRequest) -> ApiCall:
         """What the engine runs for ``body``.
