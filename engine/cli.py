@@ -182,6 +182,7 @@ async def _serve(args: argparse.Namespace) -> int:
         api_key=api_key,
         shutdown_timeout=args.shutdown_timeout,
         strict_params=args.strict_params,
+        vllm_metrics=args.vllm_metrics,
         on_ready=ready,
     )
     return 0
@@ -443,6 +444,12 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="refuse request fields the API does not know with 400, as OpenAI does (default: accept and "
         "log them, as vLLM and llama-server do: routers and clients add their own)",
+    )
+    serve.add_argument(
+        "--vllm-metrics",
+        action="store_true",
+        help="/metrics also carries waiting / running requests and KV-cache use under vLLM's names "
+        "(vllm:num_requests_waiting, vllm:kv_cache_usage_perc...), which gateways schedule on",
     )
     serve.add_argument(
         "--shutdown-timeout",

@@ -299,6 +299,17 @@ async def test_bad_requests_get_openai_errors_and_the_server_goes_on(model_paths
 async def test_metrics_parse_and_count_the_requests(model_paths: dict[str, Path]) -> None:
     cfg = config(model_paths, "walk-llama", None, "ngram-simple", 2)
     async with serving(cfg) as (base, engine), client(base) as api:
+        long = {"model": MODEL, "prompt": "once", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        async with httpx.AsyncClient(base_url=base) as http:
+            async with http.stream("POST", "/v1/completions", json=long) as r:
+                await r.aiter_lines().__anext__()  # generating: its cells are the running ones
+                during = {
+                    s.name: s.value
+                    for f in text_string_to_metric_families((await http.get("/metrics")).text)
+                    for s in f.samples
+                }
+        await wait_until(lambda: engine.slots_in_use() == 0)
+        before = engine.metrics.generated_tokens, engine.metrics.prompt_tokens
         outs = await gather(
             *(
                 api.completions.create(model=MODEL, prompt=f"p{i}", max_tokens=5, temperature=0)
@@ -307,6 +318,8 @@ async def test_metrics_parse_and_count_the_requests(model_paths: dict[str, Path]
         )
         async with httpx.AsyncClient(base_url=base) as http:
             text = (await http.get("/metrics")).text
+    assert during["engine:num_requests_running"] == 1 and during["engine:kv_cache_running_cells"] > 0
+    assert 0 < during["engine:kv_cache_usage_perc"] < 1 and "vllm:kv_cache_usage_perc" not in during
     families = {f.name: f for f in text_string_to_metric_families(text)}
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples
@@ -314,12 +327,15 @@ async def test_metrics_parse_and_count_the_requests(model_paths: dict[str, Path]
     label = (("model_name", MODEL),)
     assert samples[("engine:request_success_total", (("finished_reason", "length"), *label))] == 6
     generated = sum(o.usage.completion_tokens for o in outs if o.usage)
-    assert samples[("engine:generation_tokens_total", label)] == generated == 30
+    assert samples[("engine:generation_tokens_total", label)] - before[0] == generated == 30
     prompt_tokens = sum(o.usage.prompt_tokens for o in outs if o.usage)
-    assert samples[("engine:prompt_tokens_total", label)] == prompt_tokens
-    assert samples[("engine:time_to_first_token_seconds_count", label)] == 6
-    assert samples[("engine:e2e_request_latency_seconds_count", label)] == 6
+    assert samples[("engine:prompt_tokens_total", label)] - before[1] == prompt_tokens
+    assert samples[("engine:time_to_first_token_seconds_count", label)] == 7
+    assert samples[("engine:e2e_request_latency_seconds_count", label)] == 7
     assert samples[("engine:num_requests_running", label)] == 0
+    assert samples[("engine:kv_cache_running_cells", label)] == 0  # finished sequences are cached
+    assert samples[("engine:kv_cache_cached_cells", label)] > 0
+    assert samples[("engine:kv_cache_capacity_cells", label)] == 2 * 256
     assert samples[("engine:step_seconds_count", label)] == engine.metrics.steps > 0
     for name in (
         "engine:spec_decode_num_draft_tokens",
@@ -327,6 +343,19 @@ async def test_metrics_parse_and_count_the_requests(model_paths: dict[str, Path]
         "engine:num_requests_waiting",
     ):
         assert name in families
+
+
+async def test_metrics_under_vllms_names_for_gateways(model_paths: dict[str, Path]) -> None:
+    cfg = config(model_paths, "walk-llama", n_seq=2)
+    async with Engine(cfg) as engine:
+        app = create_app(engine, model_name=MODEL, vllm_metrics=True)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            await http.post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 3})
+            text = (await http.get("/metrics")).text
+    names = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+    for name in ("num_requests_waiting", "num_requests_running", "kv_cache_usage_perc"):
+        assert f"vllm:{name}" in names and f"engine:{name}" in names
 
 
 def _free_port() -> int:

@@ -20,6 +20,7 @@ import itertools
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -47,7 +48,7 @@ from .policy import DrafterSync
 from .request import CheckpointWaiter, Delta, Request, RequestOutput
 from .scheduler import EngineMetrics, Scheduler
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "EngineLoad", "RequestStream", "StreamGroup"]
 
 log = get_logger("engine")
 
@@ -444,6 +445,21 @@ class Engine:
     def slots_in_use(self) -> int:
         return self.config.n_seq - self._scheduler.slots.n_free if self._scheduler else 0
 
+    def load(self) -> EngineLoad:
+        """What the engine holds now, for routers, autoscalers and metrics."""
+        capacity = self.config.n_seq * self.config.n_ctx
+        scheduler = self._scheduler
+        if scheduler is None:
+            return EngineLoad(0, 0, capacity, 0, 0)
+        cache = scheduler.slots.cache
+        return EngineLoad(
+            waiting=len(scheduler.waiting),
+            running=len(scheduler.slots.owner),
+            kv_capacity=capacity,
+            kv_running=sum(len(r.history) for r in scheduler.slots.owner.values()),
+            kv_cached=sum(cache.held().values()) if cache is not None else 0,
+        )
+
     async def kv_positions(self) -> list[int]:
         """Largest KV position per sequence (-1: empty), read between steps."""
         assert self._session is not None
@@ -531,6 +547,25 @@ def _calibrate_drafter(session: SpeculativeSession, cost: StepCost, sync: Drafte
     for t, k in ((t1, k1), (tk, kk)):
         cost.observe_draft(k, 1, t)  # (k = 0, the drafter drafted nothing: no figure)
     log.debug("engine.drafter_calibrated", keep_up_s=seconds, draft_1_s=t1, draft_k_s=tk, k=kk)
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What an engine holds at one moment (:meth:`Engine.load`)."""
+
+    waiting: int  #: requests waiting for a sequence slot
+    running: int  #: requests holding a slot (reading their prompt or generating)
+    kv_capacity: int  #: KV cells of every sequence (n_seq x n_ctx)
+    kv_running: int  #: cells held by running requests' sequences
+    kv_cached: int  #: cells held by finished sequences kept for prefix reuse (evicted on demand)
+
+    @property
+    def kv_usage(self) -> float:
+        """Share of the KV cache running requests hold (vLLM's ``kv_cache_usage_perc``)."""
+        return self.kv_running / self.kv_capacity if self.kv_capacity else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {**dataclasses.asdict(self), "kv_usage": self.kv_usage}
 
 
 def _chat_template(model: Model, config: Any) -> ChatTemplate | None:

@@ -37,6 +37,7 @@ async def serve(
     shutdown_timeout: float = 10.0,
     limits: ServerLimits | None = None,
     strict_params: bool = False,
+    vllm_metrics: bool = False,
     on_ready: Callable[[], None] | None = None,
 ) -> None:
     """Serve ``config``'s engine over HTTP until SIGINT/SIGTERM.

@@ -207,16 +207,17 @@ def create_app(
     limits: ServerLimits | None = None,
     lifespan: Any = None,
     strict_params: bool = False,
+    vllm_metrics: bool = False,
 ) -> Any:
     """An ASGI app serving OpenAI's API from ``engine`` (started and closed by the caller,
     or by ``lifespan``). ``api_key``: every endpoint but ``/health`` requires
     ``Authorization: Bearer <api_key>``. ``strict_params``: a request field the API does
     not know gets 400, as OpenAI's own API answers (by default it is accepted and logged,
-    as vLLM and llama-server do: routers and clients add their own)."""
+    as vLLM and llama-server do: routers and clients add their own). ``vllm_metrics``:
+    ``/metrics`` also carries the scheduling gauges under vLLM's names."""
     limits = limits or ServerLimits()
-    server = OpenAIServer(
-        OpenAIServing(engine, model_name), limits, strict_params, metrics_registry(engine, model_name)
-    )
+    registry = metrics_registry(engine, model_name, vllm_metrics)
+    server = OpenAIServer(OpenAIServing(engine, model_name), limits, strict_params, registry)
     return asgi_app(server, api_key=api_key, lifespan=lifespan)
 
 

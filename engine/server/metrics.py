@@ -25,11 +25,14 @@ _TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
 
 
 class EngineCollector(Collector):
-    """The engine's counters and gauges, read when scraped."""
+    """The engine's counters and gauges, read when scraped. ``vllm_names``: the gauges a
+    router or gateway schedules on (waiting and running requests, KV-cache use) also
+    under vLLM's names, which Kubernetes' Gateway API Inference Extension (llm-d) reads."""
 
-    def __init__(self, engine: Engine, model_name: str) -> None:
+    def __init__(self, engine: Engine, model_name: str, vllm_names: bool = False) -> None:
         self.engine = engine
         self.labels = {"model_name": model_name}
+        self.vllm_names = vllm_names
 
     def collect(self) -> Iterator[Any]:
         m = self.engine.metrics
@@ -40,8 +43,8 @@ class EngineCollector(Collector):
             c.add_metric(values, value)
             return c
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(f"engine:{name}", doc, labels=names)
+        def gauge(name: str, doc: str, value: float, prefix: str = "engine") -> GaugeMetricFamily:
+            g = GaugeMetricFamily(f"{prefix}:{name}", doc, labels=names)
             g.add_metric(values, value)
             return g
 
@@ -68,10 +71,21 @@ class EngineCollector(Collector):
             per_pos.add_metric([*values, str(pos)], count)
         yield per_pos
         yield counter("preemptions", "Running requests swapped out for waiting ones.", m.preemptions)
-        yield gauge("num_requests_waiting", "Requests waiting for a sequence slot.", m.queue_depth)
+        load = self.engine.load()
+        scheduling = [
+            ("num_requests_waiting", "Requests waiting for a sequence slot.", load.waiting),
+            ("num_requests_running", "Requests holding a sequence slot.", load.running),
+            ("kv_cache_usage_perc", "Share of the KV cache held by running requests (0-1).", load.kv_usage),
+        ]
+        for name, doc, value in scheduling:
+            yield gauge(name, doc, value)
+            if self.vllm_names:
+                yield gauge(name, doc, value, prefix="vllm")
+        yield gauge("kv_cache_running_cells", "KV cells held by running requests.", load.kv_running)
         yield gauge(
-            "num_requests_running", "Sequences generating or reading a prompt.", self.engine.slots_in_use()
+            "kv_cache_cached_cells", "KV cells held by idle sequences kept for prefix reuse.", load.kv_cached
         )
+        yield gauge("kv_cache_capacity_cells", "KV cells of every sequence slot.", load.kv_capacity)
         yield gauge("batch_occupancy", "Mean share of the sequence slots each step used.", m.batch_occupancy)
         yield gauge("spec_decode_acceptance_rate", "Accepted ÷ drafted tokens.", m.acceptance_rate)
         yield gauge("swapped_bytes", "Host memory held by preempted requests' state.", m.swapped_bytes)
@@ -80,10 +94,10 @@ class EngineCollector(Collector):
         yield step
 
 
-def metrics_registry(engine: Engine, model_name: str) -> CollectorRegistry:
+def metrics_registry(engine: Engine, model_name: str, vllm_names: bool = False) -> CollectorRegistry:
     """A registry with the engine's collector and its latency histograms (fed per request)."""
     registry = CollectorRegistry(auto_describe=True)
-    registry.register(EngineCollector(engine, model_name))
+    registry.register(EngineCollector(engine, model_name, vllm_names))
     labels = ["model_name"]
 
     def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
