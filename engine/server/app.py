@@ -163,11 +163,11 @@ class OpenAIServer:
             if self.draining:
                 return error(503, "the server is shutting down", "service_unavailable", code="unavailable")
             if body.stream:
-                answer = await self.backend.answer(body)
+                answer = await self.backend.answer(body, request.headers)
                 assert answer.chunks is not None
                 headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **answer.headers}
                 return StreamingResponse(answer.chunks, media_type="text/event-stream", headers=headers)
-            whole = await _unless_disconnected(request, self.backend.answer(body))
+            whole = await _unless_disconnected(request, self.backend.answer(body, request.headers))
             if whole is None:
                 return Response(status_code=499)
             return JSONResponse(whole.body, headers=whole.headers)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -121,9 +121,10 @@ class Backend(Protocol):
         """Able to answer (the health check)."""
         ...
 
-    async def answer(self, body: Body) -> Answer:
-        """Answer a validated request; a stream's requests are submitted before this
-        returns, so that a refusal is raised here, before the response starts.
+    async def answer(self, body: Body, headers: Mapping[str, str] | None = None) -> Answer:
+        """Answer a validated request (``headers``: the HTTP request's); a stream's
+        requests are submitted before this returns, so that a refusal is raised here,
+        before the response starts.
 
         :raises: the failure (mapped by :func:`api_error`).
         """
@@ -142,7 +143,7 @@ class OpenAIServing:
     def serving(self) -> bool:
         return self.engine.serving
 
-    async def answer(self, body: Body) -> Answer:
+    async def answer(self, body: Body, headers: Mapping[str, str] | None = None) -> Answer:
         call = self.call(body)
         if call.stream:
             return Answer(chunks=await self.stream(call))
