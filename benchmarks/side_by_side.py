@@ -73,7 +73,12 @@ NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 #: the sections other scripts write, in the order BENCHMARKS.md ends with them
 PARTS = [
     ROOT / "benchmarks" / "results" / name
-    for name in ("prefix_reuse.md", "http.md", "http_overhead.md")  # (http_serving.py --sides inproc,ours)
+    for name in (
+        "prefix_reuse.md",
+        "http.md",
+        "http_overhead.md",
+        "scale_out.md",
+    )  # (http_serving.py --sides inproc,ours)
 ]
 
 

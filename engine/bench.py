@@ -12,6 +12,7 @@ import itertools
 import json
 import os
 import platform
+import random
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -442,6 +443,10 @@ class TurnStats:
     prompt_tokens: list[int] = field(default_factory=list)
     cached_tokens: list[int] = field(default_factory=list)
     ttft: list[float] = field(default_factory=list)
+    #: over HTTP to a cluster: the turns served by the replica that served their
+    #: conversation's first turn (``x-engine-replica``), and the replicas that served this turn
+    on_first_replica: int = 0
+    replicas: set[str] = field(default_factory=set)
 
     @property
     def prefilled(self) -> float:
@@ -460,6 +465,12 @@ class TurnStats:
             "prefilled_mean": round(self.prefilled, 1),
             "cached_share": round(self.cached_share, 4),
             "ttft_p50": round(percentile(self.ttft, 0.5), 4),
+            "ttft_p90": round(percentile(self.ttft, 0.9), 4),
+            **(
+                {"on_first_replica": self.on_first_replica, "replicas": len(self.replicas)}
+                if self.replicas
+                else {}
+            ),
         }
 
 
@@ -499,16 +510,104 @@ async def run_conversations(
     return stats
 
 
+async def run_http_conversations(
+    url: str,
+    conversations: int = 8,
+    turns: int = 6,
+    max_tokens: int = 32,
+    system: str | None = SHARED_SYSTEM,
+    api_key: str | None = None,
+    model: str | None = None,
+    think: float = 0.0,
+) -> list[TurnStats]:
+    """:func:`run_conversations` against an OpenAI-compatible server at ``url``: streamed
+    chat completions, TTFT measured by the client (to the first content), cached tokens from
+    ``usage``, and where a cluster says which replica served a turn (``x-engine-replica``)
+    whether it is the one that served the conversation's first turn. ``think``: a user
+    reads each reply for up to that many seconds (uniform, seeded per conversation)
+    before the next turn."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    stats = [TurnStats(t + 1, True) for t in range(turns)]
+    limits = httpx.Limits(max_connections=conversations + 1, max_keepalive_connections=0)
+    async with httpx.AsyncClient(
+        base_url=url.rstrip("/"), headers=headers, timeout=600, limits=limits
+    ) as http:
+        if model is None:
+            model = str((await http.get("/models")).json()["data"][0]["id"])
+
+        async def turn(messages: list[dict[str, str]], s: TurnStats) -> tuple[str, str | None]:
+            body = {
+                "model": model,
+                "messages": messages,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            text, t0, first = "", time.perf_counter(), None
+            async with http.stream("POST", "/chat/completions", json=body) as r:
+                if r.status_code != 200:
+                    raise RuntimeError(f"{url}: HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+                replica = r.headers.get("x-engine-replica")
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    for c in chunk.get("choices") or ():
+                        piece = (c.get("delta") or {}).get("content")
+                        if piece:
+                            first = first or time.perf_counter()
+                            text += piece
+                    if usage := chunk.get("usage"):
+                        s.prompt_tokens.append(usage["prompt_tokens"])
+                        s.cached_tokens.append(
+                            (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                        )
+            if first is not None:
+                s.ttft.append(first - t0)
+            return text, replica
+
+        async def chat(c: int) -> None:
+            messages = [{"role": "system", "content": system}] if system else []
+            home = None
+            pauses = random.Random(c)
+            for t in range(turns):
+                if t and think:
+                    await anyio.sleep(pauses.uniform(0, think))
+                topic = TOPICS[(c + 3 * t) % len(TOPICS)]
+                messages.append(
+                    {"role": "user", "content": f"Customer {c + 1}, turn {t + 1}: tell me about {topic}."}
+                )
+                text, replica = await turn(messages, stats[t])
+                messages.append({"role": "assistant", "content": text})
+                if replica is not None:
+                    home = home or replica
+                    stats[t].replicas.add(replica)
+                    stats[t].on_first_replica += replica == home
+
+        async with anyio.create_task_group() as tg:
+            for c in range(conversations):
+                tg.start_soon(chat, c)
+    return stats
+
+
 def summarize_turns(stats: list[TurnStats]) -> str:
     """Per turn: prompt tokens sent, tokens actually prefilled, the cached share, TTFT."""
+    routed = any(s.replicas for s in stats)
     head = f"{'turn':>4} {'cache':>5} {'prompt tok':>10} {'prefilled':>9} {'cached':>7} {'TTFT p50 s':>10}"
+    head += f" {'TTFT p90 s':>10}" + (f" {'same replica':>12}" if routed else "")
     lines = [head, "-" * len(head)]
     for s in stats:
         d = s.as_dict()
-        lines.append(
+        line = (
             f"{s.turn:>4} {'on' if s.prefix_cache else 'off':>5} {d['prompt_tokens_mean']:10.1f} "
-            f"{s.prefilled:9.1f} {s.cached_share:7.1%} {d['ttft_p50']:10.3f}"
+            f"{s.prefilled:9.1f} {s.cached_share:7.1%} {d['ttft_p50']:10.3f} {d['ttft_p90']:10.3f}"
         )
+        if routed:
+            line += f" {s.on_first_replica:>5}/{len(s.prompt_tokens):<6}"
+        lines.append(line)
     return "\n".join(lines)
 
 

@@ -26,6 +26,7 @@ from .bench import (
     measure_raw,
     plot,
     run_conversations,
+    run_http_conversations,
     run_http_load,
     run_load,
     run_overload,
@@ -427,6 +428,17 @@ async def _bench_url(args: argparse.Namespace, n_values: list[int], prompts: lis
 
 async def _bench_chat(args: argparse.Namespace, spec: str, caches: list[bool], model: str, out: Path) -> int:
     stats = []
+    if args.url:  # a server or a cluster: its own model and cache settings
+        print(f"server: {args.url}: {args.conversations} conversations x {args.turns} turns ...", flush=True)
+        stats = await run_http_conversations(
+            args.url,
+            args.conversations,
+            args.turns,
+            args.max_tokens,
+            api_key=args.api_key,
+            model=args.served_model,
+        )
+        caches = []
     for cache in caches:
         print(
             f"engine: {args.conversations} conversations x {args.turns} turns, whole conversation resent, "
@@ -667,6 +679,12 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--long-tokens", type=int, default=512, help="with --overload (default 512)")
     bench.add_argument("--conversations", type=int, default=8, help="with --chat (default 8)")
     bench.add_argument("--turns", type=int, default=6, help="with --chat (default 6)")
+    bench.add_argument(
+        "--think",
+        type=float,
+        default=0.0,
+        help="with --chat --url: a user reads each reply up to this many seconds before the next turn",
+    )
     bench.add_argument("--max-tokens", type=int, default=48, help="tokens per request (default 48)")
     bench.add_argument("--n-seq", type=int, help="sequence slots (default: N; fewer makes requests queue)")
     bench.add_argument("--out", default="bench-results", help="where bench.json and bench.png go")

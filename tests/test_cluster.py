@@ -22,6 +22,7 @@ import openai
 import pytest
 import ray
 import yaml
+from anyio.abc import TaskStatus
 from ray import serve
 
 from engine.cluster import ClusterConfig, build_app
@@ -52,14 +53,30 @@ def test_the_prefix_index_finds_the_replica_holding_the_longest_prefix() -> None
     small = PrefixIndex(block=4, capacity=3)
     small.insert("aaaabbbbccccdddd", "x")
     assert len(small) == 3 and small.match("aaaabbbb") == (None, 0)  # the oldest keys went first
+    # a conversation's next turn extends its last by whole messages: found at the message's
+    # end, though it is not a whole block
+    chats = PrefixIndex(block=64)
+    turn1 = "a long system prompt shared by everyone, " * 3 + "\x1e" + "customer 1: hello\x1e"
+    chats.insert(turn1, "home")
+    chats.insert("a long system prompt shared by everyone, " * 3 + "\x1e" + "customer 2: hi\x1e", "away")
+    turn2 = turn1 + "an answer\x1e" + "and more\x1e"
+    assert chats.match(turn2) == ("home", len(turn1))
 
 
-def test_the_preferred_replica_unless_it_is_much_busier() -> None:
-    assert prefer("a", {"a": 3, "b": 1}, imbalance=2) == (["a"], ["b"])
-    assert prefer("a", {"a": 4, "b": 1}, imbalance=2) == (["b"], ["a"])  # 3 busier than 2 allows
-    assert prefer("a", {"a": None, "b": 5}, imbalance=2) == (["a"], ["b"])  # unknown load counts as 0
-    assert prefer(None, {"a": 1, "b": 1, "c": 2}, imbalance=2) == (["a", "b"], ["c"])
-    assert prefer("gone", {"a": 2, "b": 1}, imbalance=2) == (["b"], ["a"])
+def test_the_preferred_replica_unless_its_slots_are_full_and_it_is_much_busier() -> None:
+    assert prefer("a", {"a": 3, "b": 1}, slots=4, imbalance=1) == (["a"], ["b"])  # a free slot
+    assert prefer("a", {"a": 7, "b": 0}, slots=8, imbalance=2) == (["a"], ["b"])  # still one
+    assert prefer("a", {"a": 4, "b": 3}, slots=4, imbalance=2) == (["a"], ["b"])  # full, not much busier
+    assert prefer("a", {"a": 6, "b": 1}, slots=4, imbalance=2) == (
+        ["b"],
+        ["a"],
+    )  # full, 5 busier than 2 allows
+    assert prefer("a", {"a": None, "b": 5}, slots=4, imbalance=2) == (
+        ["a"],
+        ["b"],
+    )  # unknown load counts as 0
+    assert prefer(None, {"a": 1, "b": 1, "c": 2}, slots=4, imbalance=2) == (["a", "b"], ["c"])
+    assert prefer("gone", {"a": 2, "b": 1}, slots=4, imbalance=2) == (["b"], ["a"])
 
 
 def test_the_routing_text_is_the_prompt_or_the_messages_in_order() -> None:
@@ -72,7 +89,7 @@ def test_the_routing_text_is_the_prompt_or_the_messages_in_order() -> None:
             ],
         }
     )
-    assert routing_text(chat) == "sys\x1ehi"
+    assert routing_text(chat) == "sys\x1ehi\x1e"
     assert routing_text(CompletionRequest.model_validate({"model": "m", "prompt": "once"})) == "once"
     assert routing_text(CompletionRequest.model_validate({"model": "m", "prompt": [1, 2]})) == "1 2"
 
@@ -101,6 +118,34 @@ def test_print_config_writes_a_serve_deploy_file(model_paths: dict[str, Path]) -
     assert (
         Path(config.engine["model"]).is_absolute() and config.engine["speculative"]["type"] == "ngram-simple"
     )
+
+
+# Serve awaits the replica's async __del__; collecting the object later calls it again
+# without awaiting it (as in a replica whose process outlives it)
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+async def test_a_replica_reports_its_load_and_fails_its_health_check_once_its_engine_is_gone(
+    model_paths: dict[str, Path],
+) -> None:
+    """The replica class itself (no Serve): routing stats, health, the engine's end."""
+    from engine.cluster.deployments import EngineReplica
+    from engine.cluster.routing import ReplicaRequest
+
+    engine = {"model": str(model_paths["walk-llama"]), "n_seq": 2, "n_ctx": 256, "speculative": "none"}
+    replica = EngineReplica.__new__(EngineReplica)
+    await replica.__init__(engine, MODEL, 1)  # type: ignore[misc]
+    body = CompletionRequest.model_validate({"model": MODEL, "prompt": "hi", "max_tokens": 3})
+    reply = await replica.answer(ReplicaRequest(body, "hi"))
+    assert reply["status"] == 200 and reply["body"]["usage"]["completion_tokens"] == 3
+    stats = await replica.record_routing_stats()
+    assert stats["running"] == 0 and stats["kv_cached"] > 0 and stats["kv_capacity"] == 512
+    bad = await replica.answer(
+        ReplicaRequest(CompletionRequest.model_validate({"model": MODEL, "prompt": [10**9]}))
+    )
+    assert bad["status"] == 400 and bad["body"]["error"]["code"] == "invalid_value"
+    await replica.check_health()
+    await replica.__del__()  # (what Serve calls on stopping it)
+    with pytest.raises(RuntimeError, match="not serving"):
+        await replica.check_health()
 
 
 # --- a local Ray cluster ---------------------------------------------------------------
@@ -309,26 +354,28 @@ async def test_a_downscaled_replica_drains_its_streams(cluster: str, model_paths
     body = {"model": MODEL, "max_tokens": 400, "ignore_eos": True, "stream": True}
     async with deployed(model_paths, "pow2", graceful_shutdown_timeout_s=60) as config:
         ends: dict[int, tuple[str, str]] = {}
-        started = anyio.Event()
 
-        async def stream(i: int, http: httpx.AsyncClient) -> None:
+        async def stream(i: int, http: httpx.AsyncClient, *, task_status: TaskStatus[None]) -> None:
             async with http.stream("POST", "/v1/completions", json={**body, "prompt": f"tale {i}"}) as r:
                 replica, end = r.headers["x-engine-replica"], "cut"
                 async for line in r.aiter_lines():
                     if line.startswith("data: {"):
-                        ends.setdefault(i, (replica, "streaming"))
-                        if len(ends) == 4:
-                            started.set()
+                        if i not in ends:
+                            ends[i] = (replica, "streaming")
+                            task_status.started()
                         choices = json.loads(line[6:]).get("choices") or [{}]
                         end = choices[0].get("finish_reason") or end
                 ends[i] = (replica, end)
 
         async with httpx.AsyncClient(base_url=cluster, timeout=120) as http:
             async with anyio.create_task_group() as tg:
-                for i in range(4):
-                    tg.start_soon(stream, i, http)
-                with anyio.fail_after(60):
-                    await started.wait()
+                # streams one after another (each streaming before the next) until both
+                # replicas have some: power of two choices sends the next to the idler one
+                for i in range(8):
+                    with anyio.fail_after(60):
+                        await tg.start(stream, i, http)
+                    if len({replica for replica, _ in ends.values()}) == 2:
+                        break
                 assert len({replica for replica, _ in ends.values()}) == 2, ends
                 await run_app(replace(config, replicas=1))
             assert all(end == "length" for _, end in ends.values()), ends

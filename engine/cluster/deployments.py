@@ -20,6 +20,7 @@ from typing import Any
 from ray import serve
 from ray.exceptions import RayError
 from ray.serve.config import RequestRouterConfig
+from ray.serve.exceptions import RayServeException
 
 from ..logs import get_logger
 from ..models import NAMED_MODELS, resolve_model
@@ -52,7 +53,9 @@ class ClusterConfig:
     max_replicas: int | None = None
     replica_cpus: float = 1.0  #: CPUs each replica reserves (its engine's threads)
     router: str = "prefix"
-    imbalance: int | None = None  #: prefix router: how much busier the preferred may be (default n_seq / 2)
+    imbalance: int | None = (
+        None  #: prefix router: how much busier a full preferred replica may be (default n_seq / 2)
+    )
     graceful_shutdown_timeout_s: float = 20.0
     strict_params: bool = False
     api_key: str | None = None
@@ -92,8 +95,10 @@ class EngineReplica:
     code and reports its load (:meth:`record_routing_stats`) and health."""
 
     async def __init__(self, engine: dict[str, Any], model_name: str, threads: int) -> None:  # type: ignore[misc]
-        context = serve.get_replica_context()
-        self.replica = context.replica_id.unique_id if context is not None else str(os.getpid())
+        try:
+            self.replica = serve.get_replica_context().replica_id.unique_id
+        except RayServeException:  # (not in a Serve replica: tests)
+            self.replica = str(os.getpid())
         self._ready: asyncio.Future[Engine] = asyncio.get_running_loop().create_future()
         self._stop = asyncio.Event()
         # the engine is started and closed by one task of its own (its task group must be)
@@ -270,7 +275,11 @@ def build_app(config: ClusterConfig) -> Any:
     else:
         options["num_replicas"] = config.replicas
     if router is not None:
-        kwargs = {"imbalance": config.imbalance or max(1, n_seq // 2)} if config.router == "prefix" else {}
+        kwargs = (
+            {"slots": n_seq, "imbalance": config.imbalance or max(1, n_seq // 2)}
+            if config.router == "prefix"
+            else {}
+        )
         options["request_router_config"] = RequestRouterConfig.model_validate(
             {
                 "request_router_class": router,

@@ -38,12 +38,17 @@ class ReplicaRequest:
     routing_text: str = ""
 
 
+#: between the messages of a chat request's routing text: each message's end is a cut
+#: point of the index (a conversation's next turn extends its last turn by whole messages)
+MESSAGE_END = "\x1e"
+
+
 def routing_text(body: Any) -> str:
     """The text a request's prefix is matched on: its prompt(s), or its messages' contents
     in order (their roles and the template's markup are the same for every request)."""
     messages = getattr(body, "messages", None)
     if messages is not None:
-        return "\x1e".join(_content(m.content) for m in messages)
+        return "".join(_content(m.content) + MESSAGE_END for m in messages)
     prompt = getattr(body, "prompt", None)
     if isinstance(prompt, str):
         return prompt
@@ -59,38 +64,45 @@ def _content(content: Any) -> str:
 
 
 class PrefixIndex:
-    """Which replica served the longest prefix of a text, at a granularity of ``block``
-    characters: the key of a prefix of k blocks is a digest of those k blocks, so a text's
-    prefixes are looked up one block at a time. At most ``capacity`` keys, least recently
-    used dropped first."""
+    """Which replica served the longest prefix of a text. A text is cut every ``block``
+    characters, after every message (:data:`MESSAGE_END`) and at its end; each cut's key is
+    a digest of the text up to it, so a later text that extends an earlier one by whole
+    messages or blocks finds the earlier one's cuts among its own. At most ``capacity``
+    keys, least recently used dropped first."""
 
     def __init__(self, block: int = 64, capacity: int = 200_000) -> None:
         self.block = block
         self.capacity = capacity
         self._owner: OrderedDict[bytes, str] = OrderedDict()
 
-    def _keys(self, text: str) -> Iterable[bytes]:
-        digest = hashlib.blake2b(digest_size=16)
+    def _keys(self, text: str) -> Iterable[tuple[int, bytes]]:
+        """(length, key) of every cut of ``text`` (lengths in bytes of its UTF-8)."""
         data = text.encode()
-        for end in range(self.block, len(data) + 1, self.block):
-            digest.update(data[end - self.block : end])
-            yield digest.copy().digest()
+        ends = set(range(self.block, len(data) + 1, self.block))
+        ends.update(i + 1 for i, b in enumerate(data) if b == MESSAGE_END.encode()[0])
+        ends.add(len(data))
+        digest = hashlib.blake2b(digest_size=16)
+        start = 0
+        for end in sorted(ends - {0}):
+            digest.update(data[start:end])
+            start = end
+            yield end, digest.copy().digest()
 
     def match(self, text: str) -> tuple[str | None, int]:
-        """The replica holding the longest indexed prefix of ``text``, and its length in
-        characters (bytes of its UTF-8); ``(None, 0)`` when none is indexed."""
+        """The replica holding the longest indexed prefix of ``text``, and that prefix's
+        length (in bytes); ``(None, 0)`` when none is indexed."""
         best: tuple[str | None, int] = (None, 0)
-        for k, key in enumerate(self._keys(text), start=1):
+        for end, key in self._keys(text):
             owner = self._owner.get(key)
-            if owner is None:
+            if owner is None:  # (an indexed longer prefix would have this cut indexed too)
                 break
             self._owner.move_to_end(key)
-            best = (owner, k * self.block)
+            best = (owner, end)
         return best
 
     def insert(self, text: str, replica: str) -> None:
         """``replica`` now holds ``text`` (and so every prefix of it)."""
-        for key in self._keys(text):
+        for _, key in self._keys(text):
             self._owner[key] = replica
             self._owner.move_to_end(key)
         while len(self._owner) > self.capacity:
@@ -106,31 +118,35 @@ class PrefixIndex:
 
 
 def prefer(
-    preferred: str | None, loads: dict[str, int | None], imbalance: int
+    preferred: str | None, loads: dict[str, int | None], slots: int, imbalance: int
 ) -> tuple[list[str], list[str]]:
-    """The replicas to try first and next: the one holding the prefix, unless it is busier
-    than the least busy by more than ``imbalance`` requests (then the least busy ones);
-    the rest after. A load not known counts as 0."""
+    """The replicas to try first and next: the one holding the prefix, unless its ``slots``
+    are full (a request there would wait) and it is busier than the least busy by more than
+    ``imbalance`` requests; then the least busy ones. The rest after. A load not known
+    counts as 0.
+
+    A replica with a free slot starts the request at once, so moving it would only lose
+    its cached prefix; only a queue forming is worth a recomputed prefix."""
     known = {r: (load or 0) for r, load in loads.items()}
     if not known:
         return [], []
     least = min(known.values())
     idle = [r for r, load in known.items() if load == least]
-    if preferred is None or preferred not in known or known[preferred] - least > imbalance:
-        first = idle
-    else:
-        first = [preferred]
+    stay = preferred in known and (known[preferred] < slots or known[preferred] - least <= imbalance)
+    first = [preferred] if stay and preferred is not None else idle
     return first, [r for r in known if r not in first]
 
 
 class PrefixRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     """A Ray Serve request router: a request goes to the replica that served its prefix
-    (:class:`PrefixIndex`), unless that one is busier than the least busy by more than
-    ``imbalance`` ongoing requests (``request_router_kwargs``); a request without an
-    indexed prefix goes as power of two choices."""
+    (:class:`PrefixIndex`), unless that one has all its ``slots`` busy and is busier than
+    the least busy by more than ``imbalance`` ongoing requests (:func:`prefer`; both are
+    ``request_router_kwargs``); a request without an indexed prefix goes as power of two
+    choices."""
 
-    def initialize_state(self, imbalance: int = 4, block: int = 64, **_: Any) -> None:
+    def initialize_state(self, slots: int = 8, imbalance: int = 4, block: int = 64, **_: Any) -> None:
         self._index = PrefixIndex(block)
+        self._slots = slots
         self._imbalance = imbalance
 
     async def choose_replicas(self, candidate_replicas: list[Any], pending_request: Any = None) -> Any:
@@ -143,7 +159,7 @@ class PrefixRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         cache = self.replica_queue_len_cache
         loads = {rid: cache.get(r.replica_id) for rid, r in by_id.items()}
-        first, rest = prefer(preferred, loads, self._imbalance)
+        first, rest = prefer(preferred, loads, self._slots, self._imbalance)
         return [[by_id[r] for r in first], [by_id[r] for r in rest]]
 
     def on_request_routed(self, pending_request: Any, replica_id: Any, result: Any) -> None:
