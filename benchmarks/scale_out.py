@@ -123,14 +123,54 @@ async def throughput(kind: str, n: int) -> dict[str, Any]:
         "serve x2": serve_command(port, 2, n),
     }[kind]
     async with running(cmd, port, f"load-{kind.replace(' ', '')}-{n}") as (url, up, _):
+        before, t0 = cpu_seconds(), time.perf_counter()
         r = await run_http_load(url, n, default_requests(n), 48, list(PROMPTS))
+        after, wall = cpu_seconds(), time.perf_counter() - t0
+    cpu: dict[str, float] = {}
+    for pid, (who, seconds) in after.items():
+        cpu[who] = cpu.get(who, 0.0) + seconds - before.get(pid, (who, 0.0))[1]
     return {
         "kind": kind,
         "n": n,
         "startup_s": round(up, 1),
         "tokens_per_s": r.tokens_per_s,
         "ttft_p50": r.as_dict()["ttft_p50"],
+        "tokens": r.tokens,
+        "wall_s": wall,
+        "cpu_s": {who: round(seconds, 2) for who, seconds in sorted(cpu.items()) if seconds >= 0.005},
     }
+
+
+#: which part of a server a process is, by its command line (Ray names its workers' titles)
+ROLES = (
+    ("ServeReplica:engine:EngineReplica", "replicas"),
+    ("OpenAIIngress", "ingress"),
+    ("ProxyActor", "HTTP proxy"),
+    ("ServeController", "Serve controller"),
+    ("engine serve", "engine serve"),
+    ("engine cluster", "cluster driver"),
+    ("ray", "Ray (GCS, raylet, monitors)"),
+)
+
+
+def cpu_seconds() -> dict[int, tuple[str, float]]:
+    """Every process's CPU time so far (user + system), with its role: ``{pid: (role, s)}``;
+    this process is ``client``."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[int, tuple[str, float]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            seconds = (int(fields[11]) + int(fields[12])) / tick
+            pid = int(entry.name)
+            role = (
+                "client" if pid == os.getpid() else next((r for key, r in ROLES if key in cmdline), "other")
+            )
+            out[pid] = (role, seconds)
+    return out
 
 
 async def kill_under_load(n: int) -> dict[str, Any]:
@@ -248,6 +288,13 @@ async def main() -> int:
         print("kill under load", flush=True)
         kill = await kill_under_load(8)
         print(f"   {kill}", flush=True)
+    # a run of some parts keeps the other parts' figures from the last run
+    previous = Path(args.out).with_suffix(".json")
+    if set(parts) != {"chat", "load", "kill"} and previous.exists():
+        last = json.loads(previous.read_text())
+        chats = chats if "chat" in parts else last.get("chats") or []
+        loads = loads if "load" in parts else last.get("loads") or []
+        kill = kill if "kill" in parts else last.get("kill")
     write(args, chats, loads, kill)
     return 0
 
@@ -316,6 +363,29 @@ def write(
                 f"{statistics.median(x['ttft_p50'] for x in xs):.3f} |"
             )
         md.append("")
+        cpu = [x for x in loads if x.get("cpu_s")]
+        if cpu:
+            roles = sorted(
+                {r for x in cpu for r in x["cpu_s"]}, key=lambda r: -max(x["cpu_s"].get(r, 0) for x in cpu)
+            )
+            kinds = [
+                k for k in ("serve x2", "cluster 2x1", "cluster 1x2") if any(x["kind"] == k for x in cpu)
+            ]
+            md += [
+                "Where the CPU went during those runs (CPU seconds per 1,000 generated tokens, every process on "
+                "the machine by role, medians; `client` is the load generator):",
+                "",
+                "| process | " + " | ".join(kinds) + " |",
+                "|---|" + "---:|" * len(kinds),
+            ]
+            for role in roles:
+                cells = []
+                for kind in kinds:
+                    xs = [x for x in cpu if x["kind"] == kind]
+                    per = [1000 * x["cpu_s"].get(role, 0.0) / x["tokens"] for x in xs]
+                    cells.append(f"{statistics.median(per):.2f}")
+                md.append(f"| {role} | " + " | ".join(cells) + " |")
+            md.append("")
     if kill:
         md += [
             f"**A replica killed under load** (SIGKILL, {kill['streams']} streams of 600 tokens over 2 replicas): its "

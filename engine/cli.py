@@ -87,7 +87,9 @@ def _chat_template(value: str | None) -> str | None:
     return path.read_text() if path.is_file() else value
 
 
-def _add_model_args(p: argparse.ArgumentParser, n_ctx: int, chat_model: bool = False) -> None:
+def _add_model_args(
+    p: argparse.ArgumentParser, n_ctx: int, chat_model: bool = False, threads: bool = True
+) -> None:
     g = p.add_argument_group("model and speculation")
     names = ", ".join([*NAMED_MODELS, "gemma"])
     g.add_argument(
@@ -119,7 +121,8 @@ def _add_model_args(p: argparse.ArgumentParser, n_ctx: int, chat_model: bool = F
         help=f"n-gram key length of the n-gram drafters (default {DEFAULT_NGRAM_N})",
     )
     g.add_argument("--n-ctx", type=int, default=n_ctx, help=f"context of one sequence (default {n_ctx})")
-    g.add_argument("--threads", type=int, help="CPU threads (default: all cores)")
+    if threads:  # (a cluster's replicas run --replica-cpus threads each)
+        g.add_argument("--threads", type=int, help="CPU threads (default: all cores)")
     g.add_argument(
         "--no-prefix-cache",
         action="store_true",
@@ -194,7 +197,8 @@ def _cluster_config(args: argparse.Namespace) -> Any:
     from .cluster import ClusterConfig
 
     # a named model is fetched by each replica on its own machine; a path must exist there
-    model = resolve_model(args.model) if args.model else chat_model_path()
+    model_arg = args.model or "smollm2"
+    model = resolve_model(model_arg)  # (fetched here too: a bad name fails before the cluster starts)
     spec = {
         "type": args.spec,
         "n_draft_max": args.n_draft,
@@ -203,7 +207,7 @@ def _cluster_config(args: argparse.Namespace) -> Any:
     }
     needs_draft = SpeculativeConfig(args.spec).needs_draft_model
     engine = {
-        "model": args.model if args.model in NAMED_MODELS else str(model.resolve()),
+        "model": model_arg if model_arg in NAMED_MODELS else str(model.resolve()),
         "draft_model": _replica_model(args.draft) if needs_draft and args.draft else None,
         "speculative": spec,
         "n_seq": args.n_seq,
@@ -615,7 +619,7 @@ def _parser() -> argparse.ArgumentParser:
     cluster.add_argument(
         "--spec", default="ngram-simple", help=f"speculative type (default ngram-simple): {SPEC_TYPES}"
     )
-    _add_model_args(cluster, 2048, chat_model=True)
+    _add_model_args(cluster, 2048, chat_model=True, threads=False)
 
     bench = sub.add_parser(
         "bench",

@@ -348,6 +348,45 @@ async def test_a_killed_replica_fails_only_its_own_streams(
             assert victim not in served and len(served) == 2
 
 
+async def test_a_queue_scales_the_replicas_up_and_idleness_down(
+    cluster: str, model_paths: dict[str, Path]
+) -> None:
+    """Autoscaling between 1 and 2 replicas: more requests than one replica's slots bring
+    a second replica; once they stop, it goes again."""
+    quick = {
+        "upscale_delay_s": 1.0,
+        "downscale_delay_s": 2.0,
+        "look_back_period_s": 12.0,  # (> the 10 s at which replicas report)
+    }
+    async with deployed(model_paths, "pow2", min_replicas=1, max_replicas=2, autoscaling=quick):
+        body = {"model": MODEL, "prompt": "count", "max_tokens": 48, "ignore_eos": True}
+        served: set[str] = set()
+        async with httpx.AsyncClient(base_url=cluster, timeout=120) as http:
+
+            async def client(deadline: float) -> None:  # 3 requests for every slot
+                while len(served) < 2 and time.monotonic() < deadline:
+                    r = await http.post("/v1/completions", json=body)
+                    assert r.status_code == 200
+                    served.add(r.headers["x-engine-replica"])
+
+            deadline = time.monotonic() + 90
+            async with anyio.create_task_group() as tg:
+                for _ in range(24):
+                    tg.start_soon(client, deadline)
+            assert len(served) == 2, "no second replica within 90 s of a queue"
+
+            def replicas() -> dict[str, int]:
+                return serve.status().applications[APP].deployments["EngineReplica"].replica_states
+
+            for _ in range(180):  # idle: back to one (replicas report their load every 10 s)
+                if replicas().get("RUNNING") == 1 and len(replicas()) == 1:
+                    break
+                await anyio.sleep(0.5)
+            assert replicas() == {"RUNNING": 1}
+            r = await http.post("/v1/completions", json=body)
+            assert r.status_code == 200
+
+
 async def test_a_downscaled_replica_drains_its_streams(cluster: str, model_paths: dict[str, Path]) -> None:
     """Two replicas down to one: every stream in flight ends whole (the stopped replica
     finishes its own before it goes), and new requests go to the one that stays."""

@@ -51,11 +51,13 @@ class ClusterConfig:
     replicas: int = 2
     min_replicas: int | None = None  #: with max_replicas: autoscaling on queue depth
     max_replicas: int | None = None
+    #: more of Serve's ``autoscaling_config`` (delays, look-back period...), over ours
+    autoscaling: dict[str, Any] | None = None
     replica_cpus: float = 1.0  #: CPUs each replica reserves (its engine's threads)
     router: str = "prefix"
-    imbalance: int | None = (
-        None  #: prefix router: how much busier a full preferred replica may be (default n_seq / 2)
-    )
+    #: prefix router: how much busier than the least busy a full replica keeps its
+    #: conversations (default n_seq / 2)
+    imbalance: int | None = None
     graceful_shutdown_timeout_s: float = 20.0
     strict_params: bool = False
     api_key: str | None = None
@@ -271,6 +273,7 @@ def build_app(config: ClusterConfig) -> Any:
             "target_ongoing_requests": n_seq,  # scale up when requests queue beyond the slots
             "upscale_delay_s": 5.0,
             "downscale_delay_s": 30.0,
+            **(config.autoscaling or {}),
         }
     else:
         options["num_replicas"] = config.replicas

@@ -4,8 +4,8 @@
 templating happens inside the replica, so the index is over the request's text (the
 prompt, or the messages' contents in order): :class:`PrefixIndex` keeps, for prefixes of
 whole blocks of that text, the replica that last served one, and :class:`PrefixRouter`
-(a Ray Serve request router) prefers it unless it is much busier than the least busy
-replica. ``session``: Ray's consistent hashing on the ``x-session-id`` header. ``pow2``:
+(a Ray Serve request router) prefers it unless its slots are full and it is much busier
+than the least busy replica. ``session``: Ray's consistent hashing on the ``x-session-id`` header. ``pow2``:
 Ray's default, power of two choices.
 """
 
