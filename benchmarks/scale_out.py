@@ -14,6 +14,8 @@ Every configuration runs in fresh processes; repeats are interleaved (A, B, A, B
 
     pip install -e ".[cluster,bench]"
     python benchmarks/scale_out.py                  # ~40 min on 2 cores
+    python benchmarks/scale_out.py --parts load     # measure one part, keep the others' figures
+    python benchmarks/scale_out.py --render         # rewrite the tables from the .json only
 """
 
 from __future__ import annotations
@@ -123,6 +125,7 @@ async def throughput(kind: str, n: int) -> dict[str, Any]:
         "serve x2": serve_command(port, 2, n),
     }[kind]
     async with running(cmd, port, f"load-{kind.replace(' ', '')}-{n}") as (url, up, _):
+        await run_http_load(url, n, n, 4, list(PROMPTS))  # every replica and route warm
         before, t0 = cpu_seconds(), time.perf_counter()
         r = await run_http_load(url, n, default_requests(n), 48, list(PROMPTS))
         after, wall = cpu_seconds(), time.perf_counter() - t0
@@ -261,13 +264,16 @@ async def main() -> int:
     ap.add_argument("--think", type=float, default=3.0, help="seconds a user may read a reply (default 3)")
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--out", default=str(RESULTS / "scale_out.md"))
-    ap.add_argument("--parts", default="chat,load,kill")
+    ap.add_argument(
+        "--parts", default="chat,load,kill", help="what to measure; the others keep the last run's figures"
+    )
+    ap.add_argument("--render", action="store_true", help="only rewrite the tables from the last run's .json")
     args = ap.parse_args()
-    parts = args.parts.split(",")
+    parts = [] if args.render else args.parts.split(",")
     chats: list[dict[str, Any]] = []
     loads: list[dict[str, Any]] = []
     kill: dict[str, Any] | None = None
-    for rep in range(args.repeats):
+    for rep in range(args.repeats if parts else 0):
         if "chat" in parts:
             for think in (0.0, args.think):
                 for router in ("prefix", "pow2"):
@@ -288,120 +294,189 @@ async def main() -> int:
         print("kill under load", flush=True)
         kill = await kill_under_load(8)
         print(f"   {kill}", flush=True)
-    # a run of some parts keeps the other parts' figures from the last run
+    # each part keeps when and how it was measured; parts not measured now keep the last run's
     previous = Path(args.out).with_suffix(".json")
-    if set(parts) != {"chat", "load", "kill"} and previous.exists():
-        last = json.loads(previous.read_text())
-        chats = chats if "chat" in parts else last.get("chats") or []
-        loads = loads if "load" in parts else last.get("loads") or []
-        kill = kill if "kill" in parts else last.get("kill")
-    write(args, chats, loads, kill)
+    report: dict[str, Any] = json.loads(previous.read_text()) if previous.exists() else {}
+    report["machine"] = machine_info()
+    stamp = {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "repeats": args.repeats,
+        "command": "python benchmarks/scale_out.py " + shlex.join(sys.argv[1:]),
+    }
+    for part, runs in (("chat", chats), ("load", loads), ("kill", kill)):
+        if part in parts:
+            report[part] = {**stamp, "streams": args.streams, "runs": runs}
+    previous.write_text(json.dumps(report, indent=2))
+    write(Path(args.out), report)
     return 0
 
 
-def write(
-    args: argparse.Namespace,
-    chats: list[dict[str, Any]],
-    loads: list[dict[str, Any]],
-    kill: dict[str, Any] | None,
-) -> None:
-    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    machine = machine_info()
+def _measured(part: dict[str, Any], repeats: bool = True) -> str:
+    times = f", {part['repeats']} interleaved repeats" if repeats else ""
+    return f"measured {part['date']}{times}: `{part['command']}`"
+
+
+def write(out: Path, report: dict[str, Any]) -> None:
+    machine = report.get("machine", {})
     md = [
         "## Scale-out",
         "",
-        f"Measured {date} on {machine.get('cpu', '?')} ({machine.get('cores', '?')} cores), SmolLM2-135M-Instruct "
-        "(the default chat model), no speculation, `python -m engine cluster` on a local Ray cluster "
-        f"(Ray Serve 2.60.0), every configuration in fresh processes, {args.repeats} interleaved repeats.",
+        f"On {machine.get('cpu', '?')} ({machine.get('cores', '?')} cores): SmolLM2-135M-Instruct (the default "
+        "chat model), no speculation, `python -m engine cluster` on a local Ray cluster (Ray Serve 2.60.0), "
+        "every configuration in fresh processes.",
         "",
     ]
-    if chats:
+    if report.get("chat"):
+        md += _chat_part(report["chat"])
+    if report.get("load"):
+        md += _load_part(report["load"])
+    if report.get("kill"):
+        kill = report["kill"]["runs"]
         md += [
-            "**Chat load** (`python -m engine bench --chat --url ...`: 8 conversations of 6 turns, each turn the "
-            "whole conversation after a ~1,000-token system prompt, 32 tokens a reply; 2 replicas x 1 CPU, 8 "
-            "slots each). Later turns: the share served by their conversation's first replica, the share of "
-            "their prompt tokens found cached, client TTFT; medians over the repeats:",
-            "",
-            "| users read replies for | router | later turns on their replica | cached prompt tokens | TTFT p50 s | TTFT p90 s |",
-            "|---|---|---:|---:|---:|---:|",
-        ]
-        for think in sorted({c["think"] for c in chats}):
-            for router in ("prefix", "pow2"):
-                rs = [c for c in chats if c["router"] == router and c["think"] == think]
-                if not rs:
-                    continue
-                med = {
-                    k: statistics.median(c[k] for c in rs)
-                    for k in ("same_replica", "cached_share", "ttft_p50", "ttft_p90")
-                }
-                when = "0 s (each turn as the last ends)" if think == 0 else f"0-{think:g} s"
-                md.append(
-                    f"| {when} | {router} | {med['same_replica']:.0%} | {med['cached_share']:.1%} | "
-                    f"{med['ttft_p50']:.3f} | {med['ttft_p90']:.3f} |"
-                )
-        ups = [c["startup_s"] for c in chats]
-        md += [
-            "",
-            f"`python -m engine cluster` (2 replicas) answered `/health` {min(ups):.1f}-{max(ups):.1f} s after it started.",
-            "",
-        ]
-    if loads:
-        md += [
-            f"**Throughput** at {args.streams} streams (`python -m engine bench --url ... --streams {args.streams}`, "
-            "48-token completions, mixed prompts), medians [min, max]:",
-            "",
-            "| server | tok/s | ÷ engine serve x2 | TTFT p50 s |",
-            "|---|---:|---:|---:|",
-        ]
-        base = [x["tokens_per_s"] for x in loads if x["kind"] == "serve x2"]
-        for kind in ("serve x2", "cluster 2x1", "cluster 1x2"):
-            xs = [x for x in loads if x["kind"] == kind]
-            tps = [x["tokens_per_s"] for x in xs]
-            ratios = sorted(a / b for a, b in zip(tps, base, strict=False))
-            md.append(
-                f"| {kind} | {statistics.median(tps):.1f} | **{statistics.median(ratios):.2f}** [{ratios[0]:.2f}, {ratios[-1]:.2f}] | "
-                f"{statistics.median(x['ttft_p50'] for x in xs):.3f} |"
-            )
-        md.append("")
-        cpu = [x for x in loads if x.get("cpu_s")]
-        if cpu:
-            roles = sorted(
-                {r for x in cpu for r in x["cpu_s"]}, key=lambda r: -max(x["cpu_s"].get(r, 0) for x in cpu)
-            )
-            kinds = [
-                k for k in ("serve x2", "cluster 2x1", "cluster 1x2") if any(x["kind"] == k for x in cpu)
-            ]
-            md += [
-                "Where the CPU went during those runs (CPU seconds per 1,000 generated tokens, every process on "
-                "the machine by role, medians; `client` is the load generator):",
-                "",
-                "| process | " + " | ".join(kinds) + " |",
-                "|---|" + "---:|" * len(kinds),
-            ]
-            for role in roles:
-                cells = []
-                for kind in kinds:
-                    xs = [x for x in cpu if x["kind"] == kind]
-                    per = [1000 * x["cpu_s"].get(role, 0.0) / x["tokens"] for x in xs]
-                    cells.append(f"{statistics.median(per):.2f}")
-                md.append(f"| {role} | " + " | ".join(cells) + " |")
-            md.append("")
-    if kill:
-        md += [
-            f"**A replica killed under load** (SIGKILL, {kill['streams']} streams of 600 tokens over 2 replicas): its "
+            f"**A replica killed under load** ({kill['streams']} streams of 600 tokens over 2 replicas, one replica's "
+            f"process sent SIGKILL; {_measured(report['kill'], repeats=False)}): its "
             f"{kill['killed_replica_streams']} streams ended with {', '.join(kill['their_ends'])} within "
             f"{kill['answered_within_s']} s; the other replica's {kill['other_streams']} streams finished with "
             f"{kill['other_failures']} failures; a new replica served {kill['replaced_within_s']} s after the kill.",
             "",
         ]
-    md += ["Command:", "", "    python benchmarks/scale_out.py " + shlex.join(sys.argv[1:]), ""]
-    Path(args.out).write_text("\n".join(md))
-    Path(args.out).with_suffix(".json").write_text(
-        json.dumps({"date": date, "machine": machine, "chats": chats, "loads": loads, "kill": kill}, indent=2)
-    )
+    out.write_text("\n".join(md))
     print("\n".join(md))
-    if Path(args.out).resolve() == (RESULTS / "scale_out.md").resolve():
+    if out.resolve() == (RESULTS / "scale_out.md").resolve():
         write_benchmarks()
+
+
+def _chat_part(part: dict[str, Any]) -> list[str]:
+    chats = part["runs"]
+    md = [
+        "**Chat load** (`python -m engine bench --chat --url ...`: 8 conversations of 6 turns, each turn the "
+        "whole conversation after a ~1,000-token system prompt, 32 tokens a reply; 2 replicas x 1 CPU, 8 "
+        "slots each; " + _measured(part) + "). Later turns: the share served by their conversation's first "
+        "replica, the share of their prompt tokens found cached, client TTFT; medians over the repeats:",
+        "",
+        "| users read replies for | router | later turns on their replica | cached prompt tokens | TTFT p50 s | TTFT p90 s |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    med: dict[tuple[float, str], dict[str, float]] = {}
+    for think in sorted({c["think"] for c in chats}):
+        for router in ("prefix", "pow2"):
+            rs = [c for c in chats if c["router"] == router and c["think"] == think]
+            if not rs:
+                continue
+            m = med[think, router] = {
+                k: statistics.median(c[k] for c in rs)
+                for k in ("same_replica", "cached_share", "ttft_p50", "ttft_p90")
+            }
+            when = "0 s (each turn as the last ends)" if think == 0 else f"0-{think:g} s"
+            md.append(
+                f"| {when} | {router} | {m['same_replica']:.0%} | {m['cached_share']:.1%} | "
+                f"{m['ttft_p50']:.3f} | {m['ttft_p90']:.3f} |"
+            )
+    ups = [c["startup_s"] for c in chats]
+    md += [
+        "",
+        f"`python -m engine cluster` (2 replicas) answered `/health` {min(ups):.1f}-{max(ups):.1f} s after it started.",
+        "",
+    ]
+    if (0.0, "prefix") in med and (0.0, "pow2") in med:
+        a, b = med[0.0, "prefix"], med[0.0, "pow2"]
+        md += [
+            f"Prefix routing wins at the tail, not at the median: TTFT p90 {b['ttft_p90'] / a['ttft_p90']:.1f}x "
+            f"better than pow2, p50 only {b['ttft_p50'] / a['ttft_p50']:.2f}x. With 2 replicas pow2 leaves a turn "
+            f"on its conversation's replica half the time by chance (here {b['same_replica']:.0%}), so its median "
+            "later turn is a cache hit too, and a turn that moves still finds the shared ~1,000-token system "
+            f"prompt cached on the other replica (pow2's cached share: {b['cached_share']:.0%}). What a move "
+            "costs is the conversation after the system prompt, recomputed while the replica's other turns "
+            "wait: that is the p90. A 3x gain at p50 needs most of pow2's turns to miss, i.e. many replicas "
+            "(1 - 1/R of turns move) or prompts with no shared prefix.",
+            "",
+        ]
+    return md
+
+
+#: the processes a cluster adds beside its replicas
+RAY_ROLES = ("ingress", "HTTP proxy", "Serve controller", "cluster driver", "Ray (GCS, raylet, monitors)")
+
+
+def _load_part(part: dict[str, Any]) -> list[str]:
+    loads = part["runs"]
+    md = [
+        f"**Throughput** at {part['streams']} streams (`python -m engine bench --url ... --streams "
+        f"{part['streams']}`, 48-token streamed completions, mixed prompts; {_measured(part)}), medians [min, max]:",
+        "",
+        "| server | tok/s | ÷ engine serve x2 | TTFT p50 s |",
+        "|---|---:|---:|---:|",
+    ]
+    kinds = [k for k in ("serve x2", "cluster 2x1", "cluster 1x2") if any(x["kind"] == k for x in loads)]
+    base = [x["tokens_per_s"] for x in loads if x["kind"] == "serve x2"]
+    tps = {k: statistics.median(x["tokens_per_s"] for x in loads if x["kind"] == k) for k in kinds}
+    for kind in kinds:
+        xs = [x for x in loads if x["kind"] == kind]
+        ratios = sorted(x["tokens_per_s"] / b for x, b in zip(xs, base, strict=False))
+        md.append(
+            f"| {kind} | {tps[kind]:.1f} | **{statistics.median(ratios):.2f}** [{ratios[0]:.2f}, {ratios[-1]:.2f}] | "
+            f"{statistics.median(x['ttft_p50'] for x in xs):.3f} |"
+        )
+    md += [
+        "",
+        "serve x2: one `engine serve --threads 2`; cluster 2x1: 2 replicas of 1 CPU (1 engine thread) each; "
+        "cluster 1x2: 1 replica of 2 CPUs; every server 16 slots in all.",
+        "",
+    ]
+    cpu = [x for x in loads if x.get("cpu_s")]
+    if not cpu:
+        return md
+
+    def per_1000(kind: str, roles: tuple[str, ...] | str) -> float:
+        roles = (roles,) if isinstance(roles, str) else roles
+        xs = [x for x in cpu if x["kind"] == kind]
+        return statistics.median(1000 * sum(x["cpu_s"].get(r, 0.0) for r in roles) / x["tokens"] for x in xs)
+
+    roles = sorted({r for x in cpu for r in x["cpu_s"]}, key=lambda r: -max(per_1000(k, r) for k in kinds))
+    md += [
+        "Where the CPU went during those runs: CPU seconds per 1,000 generated tokens, every process on the "
+        "machine by role (`client`: the load generator), medians:",
+        "",
+        "| process | " + " | ".join(kinds) + " |",
+        "|---|" + "---:|" * len(kinds),
+    ]
+    for role in roles:
+        md.append(f"| {role} | " + " | ".join(f"{per_1000(k, role):.2f}" for k in kinds) + " |")
+    md.append("")
+    if "cluster 2x1" in kinds and "serve x2" in kinds:
+        extra = per_1000("cluster 2x1", RAY_ROLES)
+        ingress = per_1000("cluster 2x1", "ingress")
+        proxy = per_1000("cluster 2x1", "HTTP proxy")
+        engine_s = per_1000("serve x2", "engine serve")
+        replicas = per_1000("cluster 2x1", "replicas")
+        per_replica = tps["cluster 2x1"] / 2
+        ceiling = 1000 / max(ingress, proxy)
+        md += [
+            f"The rest goes to Ray's processes: beside its replicas the cluster spends {extra:.2f} CPU s per 1,000 "
+            f"tokens (ingress {ingress:.2f}, HTTP proxy {proxy:.2f}) on the 2 cores the engines need. Its two "
+            f"1-thread replicas spend {replicas:.2f} where one 2-thread `engine serve` spends {engine_s:.2f}: they "
+            "leave the HTTP work to the ingress and proxy, and a 1-thread engine never waits at the barrier "
+            "that joins a 2-thread engine's threads after every op (ggml's threads spin there). That saving "
+            f"pays for most of Ray's share, so 2x1 keeps pace with `engine serve`. 1x2 runs the same Ray "
+            "processes beside one 2-thread engine and loses a quarter; the likely cause (not isolated by a "
+            "profile): whenever the ingress or proxy takes a core, one engine thread stops and the other spins "
+            "at the next barrier, so every op waits for Ray's work.",
+            "",
+            "What R machines would give (from these figures, not measured): each machine runs one replica with "
+            "all its cores, so the cluster decodes about R times one machine's `engine serve` rate "
+            f"(here {tps['serve x2']:.0f} tok/s on 2 cores; {per_replica:.0f} tok/s per 1-CPU replica) less Ray's "
+            "share of each machine. Every token also passes one ingress replica and the HTTP proxy of the node "
+            f"the client reached, each one Python process: at {ingress:.2f} and {proxy:.2f} CPU s per 1,000 "
+            f"tokens, one ingress saturates near {1000 / ingress:.0f} tok/s and one proxy near {1000 / proxy:.0f} "
+            f"tok/s, so a single ingress stops scaling at about {ceiling / tps['serve x2']:.0f} machines like this "
+            "one. Past that the ingress needs replicas of its own (`num_replicas` on `OpenAIIngress`, clients "
+            "spread over every node's proxy), and then the router state splits: each ingress replica's prefix "
+            "index sees only the requests it routed, so a conversation whose turns reach different ingress "
+            "replicas loses its affinity; `--router session` (a consistent hash of `x-session-id`, the same on "
+            "every ingress) keeps it without shared state.",
+            "",
+        ]
+    return md
 
 
 if __name__ == "__main__":
