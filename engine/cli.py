@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import shlex
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -269,8 +270,12 @@ async def _cluster(args: argparse.Namespace) -> int:
         print(
             f"serving {config.model_name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True
         )
-        while True:
-            await anyio.sleep(3600)
+        # SIGTERM (a process manager) drains like Ctrl-C: serve.shutdown() lets every replica's
+        # streams finish within --shutdown-timeout
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for _ in signals:
+                break
+        return 0
     finally:
         with anyio.CancelScope(shield=True):
             serve.shutdown()  # type: ignore[no-untyped-call]

@@ -289,6 +289,38 @@ def _running_replicas() -> int:
     return int(status.replica_states.get("RUNNING", 0))
 
 
+async def test_health_waits_for_the_engine_replicas(cluster: str, model_paths: dict[str, Path]) -> None:
+    """A load balancer that polls /health sends nothing before the first deployment has all
+    its engine replicas running (the ingress is up long before them)."""
+    answers: list[tuple[int, int, str]] = []  # (status, running engine replicas, app status)
+
+    async def poll(http: httpx.AsyncClient) -> None:
+        while True:
+            with contextlib.suppress(httpx.TransportError):
+                code = (await http.get("/health")).status_code
+                app = (await anyio.to_thread.run_sync(serve.status)).applications.get(APP)
+                if code in (200, 503) and app is not None:
+                    running = _running_replicas()
+                    answers.append((code, running, str(app.status)))
+                    if code == 200:
+                        return
+            await anyio.sleep(0.05)
+
+    config = cluster_config(model_paths, "pow2")
+    try:
+        async with httpx.AsyncClient(base_url=cluster, timeout=30) as http, anyio.create_task_group() as tg:
+            tg.start_soon(poll, http)
+            await run_app(config)
+            with anyio.fail_after(30):
+                while not answers or answers[-1][0] != 200:
+                    await anyio.sleep(0.1)
+        code, running, status = answers[-1]
+        assert running == 2 and status.endswith("RUNNING"), answers
+        # (the status is read after the answer: the 200 is judged by the state just after)
+    finally:
+        await anyio.to_thread.run_sync(lambda: serve.delete(APP))
+
+
 async def test_a_killed_replica_fails_only_its_own_streams(
     cluster: str, model_paths: dict[str, Path]
 ) -> None:

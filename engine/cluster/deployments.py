@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,7 @@ from ray import serve
 from ray.exceptions import RayError
 from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import RayServeException
+from ray.serve.schema import ApplicationStatus
 
 from ..logs import get_logger
 from ..models import NAMED_MODELS, resolve_model
@@ -37,6 +39,8 @@ log = get_logger("engine.cluster")
 
 #: the header that names the replica that served a response
 REPLICA_HEADER = "x-engine-replica"
+#: the engine replicas' deployment
+ENGINE_DEPLOYMENT = "EngineReplica"
 #: the header whose value keeps a session on one replica (``--router session``)
 SESSION_HEADER = "x-session-id"
 
@@ -176,7 +180,27 @@ class ClusterBackend:
     handle: Any
     model_name: str
     session_routing: bool = False
-    serving: bool = field(default=True)
+    #: the health check's last answer and when it was taken (it asks Serve's controller)
+    _ready: tuple[float, bool] = field(default=(-1e9, False), init=False)
+    _deployed: bool = field(default=False, init=False)
+
+    async def ready(self) -> bool:
+        """Able to answer: an engine replica is running and the application's first
+        deployment has finished (until then a load balancer that sent traffic would see
+        it all land on the first replica up). Asked of Serve at most once a second."""
+        checked, ready = self._ready
+        if time.monotonic() - checked < 1.0:
+            return ready
+        status = await asyncio.to_thread(serve.status)
+        app = status.applications.get(serve.get_replica_context().app_name)
+        engines = app.deployments.get(ENGINE_DEPLOYMENT) if app else None
+        running = (
+            sum(n for state, n in engines.replica_states.items() if state == "RUNNING") if engines else 0
+        )
+        self._deployed = self._deployed or (app is not None and app.status == ApplicationStatus.RUNNING)
+        ready = running > 0 and self._deployed
+        self._ready = (time.monotonic(), ready)
+        return ready
 
     async def answer(self, body: Any, headers: Mapping[str, str] | None = None) -> Answer:
         request = ReplicaRequest(body, routing_text(body))
@@ -256,7 +280,7 @@ def build_app(config: ClusterConfig) -> Any:
     n_seq = config.n_seq
     router = ROUTERS[config.router]
     options: dict[str, Any] = {
-        "name": "EngineReplica",
+        "name": ENGINE_DEPLOYMENT,
         "ray_actor_options": {"num_cpus": config.replica_cpus},
         # Serve's default (5) would hold back a replica with more slots; a few requests
         # beyond the slots wait in the engine's own queue, where a prefix finds its cache

@@ -125,7 +125,7 @@ class OpenAIServer:
 
     # --- plain endpoints -----------------------------------------------------------------
     async def health(self, request: Request) -> Response:
-        if self.draining or not self.backend.serving:
+        if self.draining or not await self.backend.ready():
             return error(503, "the engine is not serving", "service_unavailable", code="unavailable")
         return JSONResponse({"status": "ok"})
 

@@ -116,8 +116,7 @@ class Backend(Protocol):
 
     model_name: str
 
-    @property
-    def serving(self) -> bool:
+    async def ready(self) -> bool:
         """Able to answer (the health check)."""
         ...
 
@@ -139,8 +138,7 @@ class OpenAIServing:
         self.engine = engine
         self.model_name = model_name
 
-    @property
-    def serving(self) -> bool:
+    async def ready(self) -> bool:
         return self.engine.serving
 
     async def answer(self, body: Body, headers: Mapping[str, str] | None = None) -> Answer:
