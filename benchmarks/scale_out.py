@@ -297,8 +297,8 @@ async def main() -> int:
     # each part keeps when and how it was measured; parts not measured now keep the last run's
     previous = Path(args.out).with_suffix(".json")
     report: dict[str, Any] = json.loads(previous.read_text()) if previous.exists() else {}
-    report["machine"] = machine_info()
     stamp = {
+        "machine": machine_info(),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "repeats": args.repeats,
         "command": "python benchmarks/scale_out.py " + shlex.join(sys.argv[1:]),
@@ -313,17 +313,18 @@ async def main() -> int:
 
 def _measured(part: dict[str, Any], repeats: bool = True) -> str:
     times = f", {part['repeats']} interleaved repeats" if repeats else ""
-    return f"measured {part['date']}{times}: `{part['command']}`"
+    machine = part["machine"]
+    return (
+        f"measured on {machine['cpu']} ({machine['cores']} cores) {part['date']}{times}: `{part['command']}`"
+    )
 
 
 def write(out: Path, report: dict[str, Any]) -> None:
-    machine = report.get("machine", {})
     md = [
         "## Scale-out",
         "",
-        f"On {machine.get('cpu', '?')} ({machine.get('cores', '?')} cores): SmolLM2-135M-Instruct (the default "
-        "chat model), no speculation, `python -m engine cluster` on a local Ray cluster (Ray Serve 2.60.0), "
-        "every configuration in fresh processes.",
+        "SmolLM2-135M-Instruct (the default chat model), no speculation, `python -m engine cluster` on a "
+        "local Ray cluster (Ray Serve 2.60.0), every configuration in fresh processes.",
         "",
     ]
     if report.get("chat"):
@@ -375,20 +376,27 @@ def _chat_part(part: dict[str, Any]) -> list[str]:
     ups = [c["startup_s"] for c in chats]
     md += [
         "",
-        f"`python -m engine cluster` (2 replicas) answered `/health` {min(ups):.1f}-{max(ups):.1f} s after it started.",
+        f"`python -m engine cluster` (2 replicas) answered `/health` (both engine replicas running) "
+        f"{min(ups):.1f}-{max(ups):.1f} s after it started.",
         "",
     ]
-    if (0.0, "prefix") in med and (0.0, "pow2") in med:
-        a, b = med[0.0, "prefix"], med[0.0, "pow2"]
+    thinks = sorted({think for think, _ in med})
+    if len(thinks) == 2 and all((t, r) in med for t in thinks for r in ("prefix", "pow2")):
+        lock, read = thinks
+        a, b = med[read, "prefix"], med[read, "pow2"]
         md += [
-            f"Prefix routing wins at the tail, not at the median: TTFT p90 {b['ttft_p90'] / a['ttft_p90']:.1f}x "
-            f"better than pow2, p50 only {b['ttft_p50'] / a['ttft_p50']:.2f}x. With 2 replicas pow2 leaves a turn "
-            f"on its conversation's replica half the time by chance (here {b['same_replica']:.0%}), so its median "
-            "later turn is a cache hit too, and a turn that moves still finds the shared ~1,000-token system "
-            f"prompt cached on the other replica (pow2's cached share: {b['cached_share']:.0%}). What a move "
-            "costs is the conversation after the system prompt, recomputed while the replica's other turns "
-            "wait: that is the p90. A 3x gain at p50 needs most of pow2's turns to miss, i.e. many replicas "
-            "(1 - 1/R of turns move) or prompts with no shared prefix.",
+            f"Prefix routing wins at the tail, not at the median: with reading times, TTFT p90 "
+            f"{b['ttft_p90'] / a['ttft_p90']:.1f}x better than pow2, p50 {b['ttft_p50'] / a['ttft_p50']:.2f}x. "
+            "Pow2 sends a request to the less busy of two replicas (with 2 replicas: of both). In the lock-step "
+            "run a conversation's replica is the less busy one the moment its turn ends (its own request just "
+            f"left), so pow2 kept {med[lock, 'pow2']['same_replica']:.0%} of later turns home there too, an "
+            "accident of that load. With reading times the loads differ when a turn arrives and pow2 moved "
+            f"{1 - b['same_replica']:.0%} of later turns; a moved turn still finds the shared ~1,000-token "
+            f"system prompt cached on the other replica (pow2's cached share {b['cached_share']:.0%}) and "
+            "recomputes the conversation after it while that replica's other turns wait: that is the p90. "
+            "The median later turn is a cache hit under both routers, so a 3x gain at p50 needs most of "
+            "pow2's turns to move: many replicas (pow2 keeps about 1 in R home by chance once loads are "
+            "even) or conversations with no shared prefix.",
             "",
         ]
     return md
