@@ -163,13 +163,16 @@ async def _chat(args: argparse.Namespace) -> int:
         return await chat_loop(engine, _sampling(args), system=args.system, measure_cold=not args.no_cold)
 
 
+def _missing_extra(extra: str, exc: ImportError) -> SystemExit:
+    command = "serve" if extra == "server" else extra
+    return SystemExit(f"{command} needs the {extra} extra: pip install 'llama-spec-engine[{extra}]' ({exc})")
+
+
 async def _serve(args: argparse.Namespace) -> int:
     try:
         from .server import api_key_from_env, serve
     except ImportError as exc:
-        raise SystemExit(
-            f"serve needs the server extra: pip install 'llama-spec-engine[server]' ({exc})"
-        ) from None
+        raise _missing_extra("server", exc) from None
     config = _engine_config(args, args.spec, args.n_seq, default_model=chat_model_path)
     assert config.model is not None
     name = args.served_model_name or (args.model if args.model in NAMED_MODELS else Path(config.model).stem)
@@ -242,9 +245,7 @@ async def _cluster(args: argparse.Namespace) -> int:
 
         from .cluster import build_app
     except ImportError as exc:
-        raise SystemExit(
-            f"cluster needs the cluster extra: pip install 'llama-spec-engine[cluster]' ({exc})"
-        ) from None
+        raise _missing_extra("cluster", exc) from None
     config = _cluster_config(args)
     if args.print_config:
         import yaml

@@ -279,6 +279,18 @@ async def test_streams_through_the_proxy_with_the_openai_client(
                 await client.completions.create(model="other", prompt="x", max_tokens=2)  # by the ingress
 
 
+async def replicas_serving(http: httpx.AsyncClient, n: int, prompt: str) -> set[str]:
+    """The replicas that served ``n`` short completions one after another (each must succeed)."""
+    served = set()
+    for i in range(n):
+        r = await http.post(
+            "/v1/completions", json={"model": MODEL, "prompt": f"{prompt} {i}", "max_tokens": 2}
+        )
+        assert r.status_code == 200
+        served.add(r.headers["x-engine-replica"])
+    return served
+
+
 def _replica_pid(replica_id: str) -> int:
     actor = ray.get_actor(f"SERVE_REPLICA::{APP}#EngineReplica#{replica_id}", namespace="serve")
     return int(ray.get(actor.__ray_call__.remote(lambda _: os.getpid())))
@@ -370,13 +382,7 @@ async def test_a_killed_replica_fails_only_its_own_streams(
             with anyio.fail_after(120):  # Serve replaces the dead replica
                 while _running_replicas() < 2:
                     await anyio.sleep(0.5)
-            served = set()
-            for i in range(20):
-                r = await http.post(
-                    "/v1/completions", json={"model": MODEL, "prompt": f"after {i}", "max_tokens": 2}
-                )
-                assert r.status_code == 200
-                served.add(r.headers["x-engine-replica"])
+            served = await replicas_serving(http, 20, "after")
             assert victim not in served and len(served) == 2
 
 
@@ -450,11 +456,4 @@ async def test_a_downscaled_replica_drains_its_streams(cluster: str, model_paths
                 assert len({replica for replica, _ in ends.values()}) == 2, ends
                 await run_app(replace(config, replicas=1))
             assert all(end == "length" for _, end in ends.values()), ends
-            served = set()
-            for i in range(6):
-                r = await http.post(
-                    "/v1/completions", json={"model": MODEL, "prompt": f"n{i}", "max_tokens": 2}
-                )
-                assert r.status_code == 200
-                served.add(r.headers["x-engine-replica"])
-            assert len(served) == 1
+            assert len(await replicas_serving(http, 6, "n")) == 1
