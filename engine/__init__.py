@@ -20,6 +20,7 @@ from .scheduler import (
     RequestOutput,
     SamplingParams,
     UnknownRequestError,
+    engine_speculative,
 )
 from .session import (
     Batch,
@@ -63,5 +64,6 @@ __all__ = [
     "ToolCall",
     "ToolCallDelta",
     "UnknownRequestError",
+    "engine_speculative",
     "session",
 ]

@@ -39,18 +39,12 @@ from .bench import (
 from .chat import chat_loop
 from .models import NAMED_MODELS, chat_model_path, resolve_model
 from .scheduler import Engine, EngineConfig, SamplingParams
-from .scheduler.params import default_model_path
+from .scheduler.params import DEFAULT_N_DRAFT, DEFAULT_NGRAM_N, default_model_path, engine_speculative
 from .session import SessionError, SpeculativeConfig
 
 __all__ = ["main"]
 
 SPEC_TYPES = SpeculativeConfig.describe_types()
-#: the drafter settings a user gets from --spec, measured on Gemma 3 270M, 2 cores, copy-heavy
-#: prompts, speculation on ÷ off: one stream 1.95x with 16-token drafts (1.6x with 8, nothing
-#: drafted with llama.cpp's 12-token n-gram keys), four streams 1.5x; the draft policy
-#: shortens drafts, or drafts nothing, where they do not pay
-DEFAULT_N_DRAFT = 16
-DEFAULT_NGRAM_N = 4
 
 
 def _engine_config(
@@ -60,13 +54,7 @@ def _engine_config(
     prefix_cache: bool | None = None,
     default_model: Callable[[], Path] = default_model_path,
 ) -> EngineConfig:
-    spec = SpeculativeConfig(
-        speculative,
-        n_seq=n_seq,
-        n_draft_max=args.n_draft,
-        ngram_size_n=args.ngram_n,
-        ngram_size_m=args.n_draft,
-    )
+    spec = engine_speculative(speculative, n_seq, args.n_draft, args.ngram_n)
     return EngineConfig(
         model=resolve_model(args.model) if args.model else default_model(),
         draft_model=resolve_model(args.draft) if spec.needs_draft_model and args.draft else None,
@@ -203,13 +191,14 @@ def _cluster_config(args: argparse.Namespace) -> Any:
     # a named model is fetched by each replica on its own machine; a path must exist there
     model_arg = args.model or "smollm2"
     model = resolve_model(model_arg)  # (fetched here too: a bad name fails before the cluster starts)
-    spec = {
-        "type": args.spec,
-        "n_draft_max": args.n_draft,
-        "ngram_size_n": args.ngram_n,
-        "ngram_size_m": args.n_draft,
+    speculative = engine_speculative(args.spec, 1, args.n_draft, args.ngram_n)
+    spec = {  # (SpeculativeConfig's fields; each replica sets n_seq)
+        "type": speculative.type,
+        "n_draft_max": speculative.n_draft_max,
+        "ngram_size_n": speculative.ngram_size_n,
+        "ngram_size_m": speculative.ngram_size_m,
     }
-    needs_draft = SpeculativeConfig(args.spec).needs_draft_model
+    needs_draft = speculative.needs_draft_model
     engine = {
         "model": model_arg if model_arg in NAMED_MODELS else str(model.resolve()),
         "draft_model": _replica_model(args.draft) if needs_draft and args.draft else None,

@@ -598,3 +598,19 @@ async def test_a_draft_model_catches_up_on_the_history_it_skipped(
         m = engine.metrics
     assert [o.token_ids for o in outs] == [greedy_plain(tm, p, n) for p, n in requests]
     assert m.drafted >= 30 and m.accepted >= 0.9 * m.drafted, m
+
+
+@pytest.mark.parametrize("spec", ["ngram-simple", "ngram-map-k", "ngram-cache", "mtp"])
+def test_the_library_and_the_cli_give_one_set_of_drafter_defaults(
+    spec: str, model_paths: dict[str, Path]
+) -> None:
+    """``EngineConfig(speculative=name)``, what an async app writes, drafts as ``--spec name``
+    does (before: llama.cpp's 3-token drafts and 12-token n-gram keys against the CLI's 16 and 4)."""
+    from engine.cli import _engine_config, _parser
+
+    model = str(model_paths["walk-llama"])
+    args = _parser().parse_args(["run", "--model", model, "--spec", spec])
+    cli = _engine_config(args, args.spec, 4)
+    library = EngineConfig(model=model, speculative=spec, n_seq=4)
+    assert library.spec == cli.spec
+    assert (library.spec.n_draft_max, library.spec.ngram_size_n) == (16, 4)

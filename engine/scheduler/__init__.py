@@ -11,7 +11,7 @@ from __future__ import annotations
 from .engine import Engine
 from .errors import EngineDeadError, QueueFullError, RequestError, UnknownRequestError
 from .output import FinishReason
-from .params import EngineConfig, SamplingParams
+from .params import EngineConfig, SamplingParams, engine_speculative
 from .request import Delta, RequestMetrics, RequestOutput
 from .scheduler import EngineMetrics
 
@@ -28,4 +28,5 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "UnknownRequestError",
+    "engine_speculative",
 ]

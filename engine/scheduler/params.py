@@ -9,7 +9,14 @@ from pathlib import Path
 from .. import _nb_spec
 from ..session import InvalidConfigError, SpeculativeConfig
 
-__all__ = ["EngineConfig", "SamplingParams", "default_model_path"]
+__all__ = [
+    "DEFAULT_NGRAM_N",
+    "DEFAULT_N_DRAFT",
+    "EngineConfig",
+    "SamplingParams",
+    "default_model_path",
+    "engine_speculative",
+]
 
 
 def _check(ok: bool, message: str) -> None:
@@ -149,14 +156,39 @@ def default_model_path() -> Path:
     return Path(assemble())
 
 
+#: the engine's drafter settings where a config names only the type, in the library and the
+#: CLI alike: the draft policy shortens drafts that do not pay, so the cap is generous;
+#: 4-token n-gram keys match where llama.cpp's 12-token keys found nothing to draft on
+#: copy-heavy prompts
+DEFAULT_N_DRAFT = 16
+DEFAULT_NGRAM_N = 4
+
+
+def engine_speculative(
+    type: str, n_seq: int = 1, n_draft: int | None = None, ngram_n: int | None = None
+) -> SpeculativeConfig:
+    """A :class:`SpeculativeConfig` of ``type`` with the engine's defaults (not upstream's:
+    ``SpeculativeConfig`` keeps those, as the reference API does); ``n_draft`` caps a draft
+    (an n-gram drafter's draft length too), ``ngram_n`` is the n-gram key length."""
+    n_draft = DEFAULT_N_DRAFT if n_draft is None else n_draft
+    return SpeculativeConfig(
+        type,
+        n_seq=n_seq,
+        n_draft_max=n_draft,
+        ngram_size_n=DEFAULT_NGRAM_N if ngram_n is None else ngram_n,
+        ngram_size_m=n_draft,
+    )
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """What an :class:`~engine.Engine` serves and how.
 
     ``n_ctx`` is the context of ONE sequence (prompt + completion); the KV cache holds
     ``n_seq * n_ctx`` cells. ``speculative`` is a :class:`SpeculativeConfig` or a type
-    name (``"none"``, ``"draft"``, ``"eagle3"``, ``"dflash"``, ``"mtp"``, ``"ngram-simple"``...);
-    its ``n_seq`` is set to the engine's.
+    name (``"none"``, ``"draft"``, ``"eagle3"``, ``"dflash"``, ``"mtp"``, ``"ngram-simple"``...),
+    which gets the engine's drafter defaults (:func:`engine_speculative`, the CLI's too); its
+    ``n_seq`` is set to the engine's.
     """
 
     model: str | os.PathLike[str] | None = None
@@ -231,7 +263,7 @@ class EngineConfig:
         )
         spec = self.speculative
         if isinstance(spec, str):
-            spec = SpeculativeConfig(spec, n_seq=self.n_seq)
+            spec = engine_speculative(spec, self.n_seq)
         elif not isinstance(spec, SpeculativeConfig):
             raise InvalidConfigError(
                 "speculative must be a SpeculativeConfig or a type name", reason="speculative"
