@@ -74,6 +74,8 @@ NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 PARTS = [
     ROOT / "benchmarks" / "results" / name
     for name in (
+        "prompt_sets.md",  # (benchmarks/prompt_sets.py)
+        "speculation_notes.md",  # (written by hand)
         "prefix_reuse.md",
         "http.md",
         "http_overhead.md",

@@ -290,7 +290,10 @@ async def _bench(args: argparse.Namespace) -> int:
     n_values = [int(x) for x in args.streams.split(",")]
     specs = args.spec.split(",")
     prompts = load_prompts(args.prompts)
-    model = str(args.model or ("" if args.url else default_model_path()))
+    if args.url:
+        model = str(args.model or "")
+    else:  # (a name as every command takes it: fetched, then its path)
+        model = str(resolve_model(args.model) if args.model else default_model_path())
     args.model = model
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,6 @@
-"""The benchmarks' prompt sets: mixed, copy-heavy and shared-prefix prompts (and prompt
-files), for ``python -m engine bench`` and the scripts in ``benchmarks/``."""
+"""The benchmarks' prompt sets (and prompt files), for ``python -m engine bench`` and the
+scripts in ``benchmarks/``: mixed, copy-heavy, code, edits, summaries, chat and a set held out
+of all tuning, plus shared-prefix prompts."""
 
 from __future__ import annotations
 
@@ -10,11 +11,16 @@ from pathlib import Path
 from typing import TypeVar
 
 __all__ = [
+    "CHAT_PROMPTS",
+    "CODE_PROMPTS",
     "COPY_PROMPTS",
+    "EDIT_PROMPTS",
+    "HELDOUT_PROMPTS",
     "PROMPTS",
     "PROMPT_SETS",
     "SHARED_PROMPTS",
     "SHARED_SYSTEM",
+    "SUMMARY_PROMPTS",
     "TOPICS",
     "load_prompts",
     "prompt_of",
@@ -92,11 +98,97 @@ SHARED_PROMPTS = [
     for i in range(len(TOPICS) * len(_SITUATIONS))
 ]
 
-PROMPT_SETS = {"mixed": PROMPTS, "copy": COPY_PROMPTS, "shared": SHARED_PROMPTS}
+_FUNCTION = (
+    "def total_price(items, tax_rate):\n    subtotal = 0\n    for item in items:\n"
+    "        subtotal += item.price * item.quantity\n    tax = subtotal * tax_rate\n"
+    "    return subtotal + tax\n"
+)
+_LETTER = (
+    "Dear residents, the commitee met on tuesday to discus the new budjet. Members agreed that "
+    "the libary needs more funding, and that the park shoud be cleaned before the summer festival. "
+    "The next meeting will be held in the town hall on the first monday of june."
+)
+_REPORT = (
+    "The quarterly report shows that sales rose by twelve percent in the north region, driven by "
+    "the new store in Leeds, while the south region stayed flat because two stores closed for "
+    "repairs. Online orders grew faster than store orders for the third quarter in a row, and "
+    "returns fell after the new sizing guide was published. The board expects the same trend "
+    "next quarter and has approved two more stores in the north."
+)
+
+#: code to complete and to edit: the answer copies most of the prompt, with changes
+CODE_PROMPTS = [
+    f"{_FUNCTION}\n# The same function with type hints:\ndef total_price(items: list, tax_rate: float) -> float:\n",
+    f"{_FUNCTION}\n# The same function, with the variable subtotal renamed to net:\n",
+    f"{_FUNCTION}\n# The same function with a docstring:\n",
+    f"{_CODE[0]}\n# The same function, with a and b renamed to left and right:\ndef merge(left, right):\n",
+    f"{_CODE[1]}\n# The same class, with a method is_empty added at the end:\nclass Stack:\n",
+    f"{_CODE[2]}\n-- The same query, returning 20 rows:\nSELECT customers.name, orders.total\n",
+]
+
+#: prose to correct or to repeat with small changes
+EDIT_PROMPTS = [
+    f"Text: {_LETTER}\nThe same text with the spelling fixed: Dear residents, the committee",
+    f"Text: {_LETTER}\nThe same text in the past tense, otherwise unchanged:",
+    f"Text: {_REPORT}\nThe same text with every number written in digits:",
+    "List: bananas, apples, cherries, dates, elderberries, figs, grapes\n"
+    "The same list in upper case: BANANAS,",
+    'JSON: {"name": "Ada", "age": 36, "city": "London", "languages": ["English", "French"]}\n'
+    'The same JSON with one key per line:\n{\n  "name": "Ada",\n',
+    f"Original: {_LETTER}\nCopy:",
+]
+
+#: summaries: the answer reuses the prompt's phrases, not its sentences
+SUMMARY_PROMPTS = [
+    f"Report: {_REPORT}\nSummary in two sentences:",
+    f"Letter: {_LETTER}\nThe letter's three points, as a list:\n-",
+    f"Report: {_REPORT}\nHeadline for this report:",
+    f"{_CODE[0]}\nWhat this function does, in one paragraph:",
+    f"{_CODE[1]}\nA short description of each method of this class:\n-",
+]
+
+#: chat: questions whose answers copy little
+CHAT_PROMPTS = [
+    "User: What is a good name for a grey cat?\nAssistant:",
+    "User: How do I boil an egg so that the yolk stays soft?\nAssistant:",
+    "User: Give me three ideas for a rainy Sunday afternoon.\nAssistant:",
+    "User: Why do leaves change colour in autumn?\nAssistant:",
+    "User: Write a haiku about a train at night.\nAssistant:",
+    "User: What should I pack for a weekend of hiking?\nAssistant:",
+]
+
+#: held out of every tuning of the draft policy (the published table runs on it): turning
+#: records from one format into another, where the answer copies the values and not the layout
+HELDOUT_PROMPTS = [
+    "CSV:\nname,team,points\nAlice,red,12\nBruno,blue,9\nChen,red,15\nDara,green,7\n"
+    "The same rows as a Markdown table:\n| name | team | points |\n|---|---|---|\n",
+    "Log:\n2024-05-01 10:02:11 ERROR disk full on /var\n2024-05-01 10:05:40 WARN retrying upload\n"
+    "2024-05-01 10:07:02 INFO upload finished\nThe same log as JSON lines:\n",
+    "Addresses:\nMaria Lopez, 14 Garden Road, Bristol\nTom Becker, 3 Mill Lane, York\n"
+    "Ines Costa, 88 High Street, Bath\nThe same addresses, one field per line:\n",
+    "Shopping list: 2 kg potatoes; 6 eggs; 1 litre milk; 500 g butter; 3 lemons\nThe same list as YAML:\n",
+    "Schedule: Monday 9:00 standup, Monday 14:00 design review, Tuesday 11:00 planning, "
+    "Thursday 16:00 retrospective\nThe same schedule as a numbered list:\n1.",
+    "Python dict: {'red': 3, 'green': 5, 'blue': 7, 'yellow': 2}\n"
+    "The same data as a JavaScript object:\nconst counts = {",
+    "Sentence: The train to Glasgow leaves at seven, stops in Preston and Carlisle, and arrives "
+    "at half past eleven.\nThe same sentence in the future tense: The train to Glasgow will",
+]
+
+PROMPT_SETS = {
+    "mixed": PROMPTS,
+    "copy": COPY_PROMPTS,
+    "shared": SHARED_PROMPTS,
+    "code": CODE_PROMPTS,
+    "edits": EDIT_PROMPTS,
+    "summaries": SUMMARY_PROMPTS,
+    "chat": CHAT_PROMPTS,
+    "heldout": HELDOUT_PROMPTS,
+}
 
 
 def load_prompts(name_or_path: str) -> list[str]:
-    """A built-in prompt set (``mixed``, ``copy``) or a file: one prompt per line, or JSON
+    """A built-in prompt set (:data:`PROMPT_SETS`) or a file: one prompt per line, or JSON
     lines with a ``"prompt"`` field (``.jsonl``)."""
     if name_or_path in PROMPT_SETS:
         return PROMPT_SETS[name_or_path]

@@ -132,6 +132,31 @@ def test_the_cost_model_follows_what_steps_cost() -> None:
     assert abs(head.draft(1, 1) - 0.030) < 1e-4 and abs(head.draft(8, 1) - 0.0314) < 1e-4
 
 
+def test_a_size_not_seen_yet_is_priced_at_the_load_of_the_sizes_below() -> None:
+    """Under load (long histories held) every row costs more than the calibration on an empty
+    cache said. The step without drafts (16 rows at 16 streams) learns that first; the sizes
+    only drafts make (80 rows) must not keep the calibration's price meanwhile, or drafting
+    every match looks like it pays where it loses (measured: 16 streams, 75 % of drafts
+    accepted, steps of 64-80 rows 38 % dearer than priced, 0.83x of speculation off)."""
+    per_row, fixed = 0.0045, 0.013
+    cost = linear_cost(fixed, per_row, max_rows=128)
+    cost.observe(1, 0, cost._interpolate(1))  # (the first step: an idle machine)
+    for _ in range(60):
+        cost.observe(16, 0, 1.2 * cost._interpolate(16))
+    assert abs(cost.scale(80) - 1.2) < 0.02  # (before: ~1.0, the calibration's price)
+    cost.observe(80, 0, 1.45 * cost._interpolate(80))
+    cost.observe(80, 0, 1.45 * cost._interpolate(80))
+    assert cost.scale(80) > 1.35  # (a rarely seen size learns from its first steps)
+    # the decision it changes: 16 streams drafting every match at 75 % acceptance per row
+    policy = DraftPolicy(cost=linear_cost(fixed, per_row, max_rows=256), every_match=True)
+    policy.cost.observe(1, 0, policy.cost._interpolate(1))
+    for _ in range(60):
+        policy.cost.observe(16, 0, 1.2 * policy.cost._interpolate(16))
+    for i in range(400):
+        policy.engine.record(16, 12 if i % 5 < 2 else 0, 9 if i % 5 < 2 else 0)
+    assert not policy._every_match_pays(16, 16)
+
+
 def test_the_choice_maximises_expected_tokens_per_second() -> None:
     """Against brute force over every combination of lengths, for a grid of machines,
     batch sizes and acceptances."""

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from .. import _nb_spec
 from ..session import InvalidConfigError, SpeculativeConfig
+from ..session.config import check, check_n_seq
 
 __all__ = [
     "DEFAULT_NGRAM_N",
@@ -17,11 +18,6 @@ __all__ = [
     "default_model_path",
     "engine_speculative",
 ]
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise InvalidConfigError(message, reason=message)
 
 
 @dataclass(frozen=True)
@@ -62,7 +58,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        _check(
+        check(
             isinstance(self.max_tokens, int) and self.max_tokens > 0,
             f"max_tokens must be > 0, got {self.max_tokens!r}",
         )
@@ -75,36 +71,34 @@ class SamplingParams:
             "frequency_penalty",
         ):
             v = getattr(self, name)
-            _check(
+            check(
                 isinstance(v, (int, float)) and not isinstance(v, bool), f"{name} must be a number, got {v!r}"
             )
         for name in ("top_k", "penalty_last_n", "min_tokens"):
             v = getattr(self, name)
-            _check(
-                isinstance(v, int) and -(2**31) <= v < 2**31, f"{name} must be a 32-bit integer, got {v!r}"
-            )
-        _check(
+            check(isinstance(v, int) and -(2**31) <= v < 2**31, f"{name} must be a 32-bit integer, got {v!r}")
+        check(
             self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**32),
             f"seed must be in [0, 2**32), got {self.seed!r}",
         )
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-        _check(all(isinstance(s, str) and s for s in stop), "stop strings must be non-empty strings")
+        check(all(isinstance(s, str) and s for s in stop), "stop strings must be non-empty strings")
         object.__setattr__(self, "stop", stop)
         ids = tuple(self.stop_token_ids)
-        _check(all(isinstance(t, int) and t >= 0 for t in ids), "stop_token_ids must be non-negative ints")
+        check(all(isinstance(t, int) and t >= 0 for t in ids), "stop_token_ids must be non-negative ints")
         object.__setattr__(self, "stop_token_ids", ids)
-        _check(
+        check(
             self.grammar is None or (isinstance(self.grammar, str) and self.grammar.strip() != ""),
             "grammar must be a non-empty GBNF string",
         )
-        _check(
+        check(
             self.logprobs is None or (isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)),
             f"logprobs must be an int in [0, {_nb_spec.MAX_LOGPROBS}] or None, got {self.logprobs!r}",
         )
         for name in ("skip_special_tokens", "include_stop_str_in_output"):
-            _check(isinstance(getattr(self, name), bool), f"{name} must be a bool")
+            check(isinstance(getattr(self, name), bool), f"{name} must be a bool")
         bias = self.logit_bias or {}
-        _check(
+        check(
             isinstance(bias, dict)
             and all(
                 isinstance(t, int) and not isinstance(t, bool) and isinstance(v, int | float)
@@ -228,35 +222,32 @@ class EngineConfig:
     chat_template: str | None = None
 
     def __post_init__(self) -> None:
-        _check(
-            isinstance(self.n_seq, int) and 1 <= self.n_seq <= 256,
-            f"n_seq must be in [1, 256], got {self.n_seq!r}",
-        )
-        _check(isinstance(self.n_ctx, int) and self.n_ctx >= 16, f"n_ctx must be >= 16, got {self.n_ctx!r}")
-        _check(
+        check_n_seq(self.n_seq)
+        check(isinstance(self.n_ctx, int) and self.n_ctx >= 16, f"n_ctx must be >= 16, got {self.n_ctx!r}")
+        check(
             isinstance(self.n_batch, int) and self.n_batch >= 1, f"n_batch must be >= 1, got {self.n_batch!r}"
         )
-        _check(
+        check(
             self.threads is None or (isinstance(self.threads, int) and self.threads >= 1),
             f"threads must be >= 1 (or None for all cores), got {self.threads!r}",
         )
-        _check(isinstance(self.max_queue, int) and self.max_queue >= 0, "max_queue must be >= 0")
-        _check(
+        check(isinstance(self.max_queue, int) and self.max_queue >= 0, "max_queue must be >= 0")
+        check(
             isinstance(self.prefill_reserve, int) and self.prefill_reserve >= 1,
             "prefill_reserve must be >= 1",
         )
-        _check(self.draft_policy in ("adaptive", "fixed"), "draft_policy must be 'adaptive' or 'fixed'")
-        _check(isinstance(self.prefix_cache, bool), "prefix_cache must be a bool")
-        _check(isinstance(self.preemption, bool), "preemption must be a bool")
-        _check(
+        check(self.draft_policy in ("adaptive", "fixed"), "draft_policy must be 'adaptive' or 'fixed'")
+        check(isinstance(self.prefix_cache, bool), "prefix_cache must be a bool")
+        check(isinstance(self.preemption, bool), "preemption must be a bool")
+        check(
             self.time_slice is None or (isinstance(self.time_slice, int | float) and self.time_slice > 0),
             "time_slice must be > 0 seconds (or None)",
         )
-        _check(
+        check(
             isinstance(self.swap_space_mib, int) and self.swap_space_mib >= 0, "swap_space_mib must be >= 0"
         )
-        _check(isinstance(self.stream_buffer, int) and self.stream_buffer >= 4, "stream_buffer must be >= 4")
-        _check(
+        check(isinstance(self.stream_buffer, int) and self.stream_buffer >= 4, "stream_buffer must be >= 4")
+        check(
             self.chat_template is None
             or (isinstance(self.chat_template, str) and self.chat_template.strip() != ""),
             "chat_template must be a non-empty string (Jinja source or a built-in name) or None",
@@ -271,7 +262,7 @@ class EngineConfig:
         elif spec.n_seq != self.n_seq:
             spec = replace(spec, n_seq=self.n_seq)
         object.__setattr__(self, "speculative", spec)
-        _check(
+        check(
             spec.type == "none" or self.n_batch >= spec.n_draft_max + 1,
             f"n_batch {self.n_batch} must hold n_draft_max + 1 = {spec.n_draft_max + 1} tokens",
         )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -100,9 +100,6 @@ class WaitQueue:
 
     def __len__(self) -> int:
         return len(self._heap)
-
-    def __iter__(self) -> Iterable[Request]:
-        return iter([e[2] for e in self._heap])
 
 
 @dataclass

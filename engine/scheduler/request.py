@@ -244,11 +244,6 @@ class Request:
     def finished(self) -> bool:
         return self.state is RequestState.FINISHED
 
-    @property
-    def holds_sequence(self) -> bool:
-        """Generating or about to: its slot must not be taken away."""
-        return self.state in (RequestState.PREFILL, RequestState.DECODE, RequestState.FINISHING)
-
     def open_stream(
         self, buffer: int, group: tuple[MemoryObjectSendStream[Any], int, int] | None = None
     ) -> None:

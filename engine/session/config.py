@@ -41,9 +41,18 @@ def canonical_spec_type(name: str) -> str:
     return t
 
 
-def _check(ok: bool, message: str) -> None:
+def check(ok: bool, message: str) -> None:
+    """A configuration rule: :class:`InvalidConfigError` with ``message`` when it fails."""
     if not ok:
         raise InvalidConfigError(message, reason=message)
+
+
+#: the most sequences a context serves (llama.cpp's ``LLAMA_MAX_SEQ``)
+MAX_SEQ = 256
+
+
+def check_n_seq(n_seq: object) -> None:
+    check(isinstance(n_seq, int) and 1 <= n_seq <= MAX_SEQ, f"n_seq must be in [1, {MAX_SEQ}], got {n_seq!r}")
 
 
 @dataclass(frozen=True)
@@ -67,18 +76,18 @@ class ContextConfig:
     def __post_init__(self) -> None:
         if self.n_ubatch is None:
             object.__setattr__(self, "n_ubatch", min(512, self.n_batch))
-        _check(1 <= self.n_seq <= 256, f"n_seq must be in [1, 256], got {self.n_seq}")
-        _check(self.n_ctx >= 1, f"n_ctx must be positive, got {self.n_ctx}")
-        _check(
+        check_n_seq(self.n_seq)
+        check(self.n_ctx >= 1, f"n_ctx must be positive, got {self.n_ctx}")
+        check(
             self.n_ctx >= self.n_seq,
             f"n_ctx {self.n_ctx} is too small for n_seq {self.n_seq}",
         )
-        _check(self.n_batch >= 1, f"n_batch must be positive, got {self.n_batch}")
-        _check(
+        check(self.n_batch >= 1, f"n_batch must be positive, got {self.n_batch}")
+        check(
             isinstance(self.n_ubatch, int) and 1 <= self.n_ubatch <= self.n_batch,
             f"n_ubatch must be in [1, n_batch={self.n_batch}], got {self.n_ubatch}",
         )
-        _check(
+        check(
             self.threads is None or (isinstance(self.threads, int) and self.threads >= 1),
             f"threads must be >= 1 (or None for all cores), got {self.threads!r}",
         )
@@ -111,17 +120,14 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "type", canonical_spec_type(self.type))
-        _check(
-            isinstance(self.n_seq, int) and 1 <= self.n_seq <= 256,
-            f"n_seq must be in [1, 256], got {self.n_seq!r}",
-        )
+        check_n_seq(self.n_seq)
         for name in ("n_draft_max", "n_min", "ngram_size_n", "ngram_size_m", "ngram_min_hits"):
             value = getattr(self, name)
-            _check(
+            check(
                 isinstance(value, int) and -(2**31) <= value < 2**31,
                 f"{name} must be a 32-bit integer, got {value!r}",
             )
-        _check(
+        check(
             isinstance(self.p_min, (int, float)) and not math.isnan(self.p_min),
             "p_min must be a number",
         )

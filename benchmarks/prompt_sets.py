@@ -1,0 +1,116 @@
+"""Speculation on ÷ off on every prompt set, the held-out one first: BENCHMARKS.md "Prompts
+nobody tuned for".
+
+    python benchmarks/prompt_sets.py                       # every set (about 1 h on 2 cores)
+    python benchmarks/prompt_sets.py --sets heldout --repeats 5
+    python benchmarks/prompt_sets.py --render              # the table from the runs kept
+
+Each set is one ``python -m engine bench`` run (speculation off and on, interleaved repeats;
+its JSON is kept in ``benchmarks/results/prompt_sets/<set>/``). The ``heldout`` set
+(``engine.workloads.HELDOUT_PROMPTS``) is kept out of all tuning of the draft policy: change
+the policy looking at the other sets only, then run this one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+
+from side_by_side import ROOT, write_benchmarks
+
+RESULTS = ROOT / "benchmarks" / "results"
+RUNS = RESULTS / "prompt_sets"
+SETS = ["heldout", "copy", "code", "edits", "summaries", "chat", "mixed"]
+ABOUT = {
+    "heldout": "held out of all tuning: records turned from one format into another",
+    "copy": "answers that repeat the prompt",
+    "code": "code completions and edits",
+    "edits": "prose and data to correct or repeat with changes",
+    "summaries": "summaries that reuse the prompt's phrases",
+    "chat": "questions whose answers copy little",
+    "mixed": "questions, lists, code, stories",
+}
+
+
+def measure(name: str, args: argparse.Namespace) -> None:
+    out = (RUNS / name).relative_to(ROOT)  # (relative: the command is kept in its JSON)
+    cmd = [
+        sys.executable, "-m", "engine", "bench", "--prompts", name, "--streams", args.streams,
+        "--spec", f"none,{args.spec}", "--repeats", str(args.repeats), "--max-tokens", str(args.max_tokens),
+        "--out", str(out),
+    ]  # fmt: skip
+    print("$", " ".join(cmd[1:]), flush=True)
+    subprocess.run(cmd, check=True, cwd=ROOT)
+
+
+def rows(report: dict) -> list[str]:
+    """One table row per N: the paired repeats (off, on, off, on, ... as the bench ran them)."""
+    by_n: dict[int, dict[str, list[dict]]] = {}
+    for r in report["results"]:
+        by_n.setdefault(r["n_streams"], {}).setdefault(r["speculative"], []).append(r)
+    name = report["settings"]["prompts"]
+    out = []
+    for n, runs in sorted(by_n.items()):
+        off_runs = runs["none"]
+        on_runs = next(v for k, v in runs.items() if k != "none")
+        ratios = sorted(b["tokens_per_s"] / a["tokens_per_s"] for a, b in zip(off_runs, on_runs, strict=True))
+        median_run = sorted(on_runs, key=lambda r: r["tokens_per_s"])[len(on_runs) // 2]
+        off = statistics.median(r["tokens_per_s"] for r in off_runs)
+        acc = median_run["accepted"] / median_run["drafted"] if median_run["drafted"] else 0.0
+        mark = " †" if median_run["drafted"] == 0 else ""
+        out.append(
+            f"| {name} | {n} | {off:.1f} | {statistics.median(r['tokens_per_s'] for r in on_runs):.1f}{mark} "
+            f"| **{statistics.median(ratios):.2f}** [{ratios[0]:.2f}, {ratios[-1]:.2f}] | {len(ratios)} "
+            f"| {median_run['drafted']} / {median_run['accepted']} ({acc:.0%}) |"
+        )
+    return out
+
+
+def render() -> str:
+    reports = {p.parent.name: json.loads(p.read_text()) for p in sorted(RUNS.glob("*/bench.json"))}
+    order = [s for s in SETS if s in reports] + sorted(set(reports) - set(SETS))
+    if not order:
+        raise SystemExit(f"no runs under {RUNS.relative_to(ROOT)}: measure first")
+    first = reports[order[0]]
+    lines = [
+        "## Prompts nobody tuned for",
+        "",
+        f"`python benchmarks/prompt_sets.py` ({first['model']}, {first['machine']}, "
+        f"{first['settings']['max_tokens']} greedy tokens a request, 4N requests (at least 8) per N, "
+        "end-of-generation ignored): speculation on (`--spec` below, the engine's defaults: "
+        "16-token drafts, 4-token n-gram keys) ÷ off, each run's steady-state tok/s; the ratio is "
+        "the median [min, max] of the paired interleaved repeats, `drafted / accepted` the median "
+        "on-run's. The first set was kept out of all tuning of the draft policy.",
+        "",
+        "| prompts | N | off tok/s | on tok/s | on ÷ off | repeats | drafted / accepted |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name in order:
+        lines += rows(reports[name])
+    lines += ["", "† drafted nothing in the median run: the row measures what speculation on costs.", ""]
+    lines += [f"- `{name}`: {ABOUT.get(name, 'a prompt file')}; ran {reports[name]['date']}: "
+              f"`{reports[name]['command']}`" for name in order]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sets", default=",".join(SETS))
+    ap.add_argument("--streams", default="1,4,16")
+    ap.add_argument("--spec", default="ngram-simple")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--render", action="store_true", help="only write the table from the runs kept")
+    args = ap.parse_args()
+    if not args.render:
+        for name in args.sets.split(","):
+            measure(name, args)
+    (RESULTS / "prompt_sets.md").write_text(render())
+    write_benchmarks()
+
+
+if __name__ == "__main__":
+    main()
