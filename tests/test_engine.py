@@ -19,8 +19,7 @@ from engine import (
     SamplingParams,
     SpeculativeConfig,
 )
-from engine.scheduler.cost import StepCost
-from engine.scheduler.policy import Drafting
+from engine.scheduler.drafting import Drafting, StepCost
 from engine.session import InvalidArgumentError, InvalidConfigError, PromptTooLongError, StateError
 from engine.session.checkpoint import unpack
 from tests.aio import Task, gather

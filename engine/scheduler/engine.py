@@ -14,10 +14,8 @@ does every later call. ``close()`` always stops the native thread and returns.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
-import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -29,22 +27,18 @@ import anyio.abc
 from .. import _nb_spec
 from ..logs import get_logger
 from ..session import (
-    Batch,
     ClosedError,
-    Context,
     ContextConfig,
     Model,
     Runtime,
-    SessionError,
     SpeculativeSession,
 )
 from ..session.chat import ChatOptions, ChatParser, ChatTemplate, builtin_template
-from .cost import StepCost
+from .drafting import DrafterSync, calibrate
 from .errors import EngineDeadError, UnknownRequestError
 from .inputs import InputProcessor, Prompt
 from .params import EngineConfig, SamplingParams, default_model_path
 from .planner import Plan
-from .policy import DrafterSync
 from .request import CheckpointWaiter, Delta, Request, RequestOutput
 from .scheduler import EngineMetrics, Scheduler
 
@@ -151,15 +145,8 @@ class Engine:
         self._inputs = InputProcessor(
             self._model, cfg.n_ctx, fingerprint, with_draft, _chat_template(self._model, cfg)
         )
-        policy = self._scheduler.policy
-        if spec.type != "none" and policy.adaptive:
-            # the cost model the draft policy weighs drafts with, measured on this machine
-            max_rows = min(cfg.n_batch, cfg.n_seq * (1 + spec.n_draft_max))
-            policy.cost.calibrate(
-                _target_timer(self._session.target_context, cfg.n_seq, uniform=not cfg.unified_kv), max_rows
-            )
-            if policy.sync is not DrafterSync.NONE:
-                _calibrate_drafter(self._session, policy.cost, policy.sync)
+        if spec.type != "none" and self._scheduler.policy.adaptive:
+            calibrate(self._scheduler.policy, self._session, cfg.n_seq, cfg.n_batch, not cfg.unified_kv)
 
     async def close(self) -> None:
         """End what is in flight (``abort``), stop the step loop, free the models, join the
@@ -465,88 +452,6 @@ class Engine:
         assert self._session is not None
         ctx = self._session.target_context
         return await anyio.to_thread.run_sync(lambda: [ctx.seq_pos_max(s) for s in range(self.config.n_seq)])
-
-
-def _target_timer(ctx: Context, n_seq: int, uniform: bool) -> Callable[[int, int], float]:
-    """``time(rows, prompt)``: seconds of one target decode with ``rows`` rows that need
-    logits, spread over the sequences as the engine spreads them (evenly with per-sequence
-    KV streams), or of a ``prompt``-token chunk ending in one such row; every sequence is
-    emptied afterwards."""
-    token = 1
-
-    def time_decode(rows: int, prompt: int) -> float:
-        b = Batch()
-        if prompt:  # a prompt chunk whose last token needs logits
-            b.add_sequence([token] * (prompt + rows), 0, 0, logits="last")
-        else:
-            n_used = min(rows, n_seq)
-            for s in range(n_used):
-                for i in range(-(-rows // n_used) if uniform else rows // n_used + (s < rows % n_used)):
-                    b.add(token, i, s, True)
-        try:
-            t0 = time.perf_counter()
-            ctx.decode(b)
-            return time.perf_counter() - t0
-        finally:
-            for s in set(b.seq):  # (per-sequence streams cannot remove every sequence at once)
-                ctx.kv_remove(s)
-
-    return time_decode
-
-
-def _calibrate_drafter(session: SpeculativeSession, cost: StepCost, sync: DrafterSync) -> None:
-    """What the drafter costs on this machine, before the first request pays to find out:
-    a draft call of one position and of ``n_draft_max`` for one sequence, and what keeping
-    up with a 16-token prompt costs (a stream drafter's pass over it, a draft model's
-    catch-up), each the best of two (the first run of a shape allocates). Sequence 0 is
-    emptied afterwards; a failure only leaves the costs to be learned online."""
-    token, n = 1, 16
-    prompt = [token] * n
-    batch = Batch()
-    batch.add_sequence(prompt, 0, 0, logits="last")
-    k_max = session.n_draft_max
-
-    def draft(k: int) -> tuple[float, int]:
-        """(seconds, tokens drafted) of one draft call of up to ``k`` positions."""
-        t0 = time.perf_counter()
-        (got,) = session.draft_many([(0, n, token, k)])
-        seconds = time.perf_counter() - t0
-        if got:
-            session.accept(0, 0)
-        return seconds, len(got)
-
-    def empty() -> None:
-        if session.pending(0) is not None:
-            session.accept(0, 0)
-        session.clear_target_kv_cache_seq(0)
-        if session.draft_context is not None:
-            session.clear_draft_kv_cache_seq(0)
-
-    keep_up, first, one, most = [], [], [], []  # (per round)
-    try:
-        for _ in range(2):
-            session.decode_target(batch)
-            t0 = time.perf_counter()
-            if sync is DrafterSync.STREAM:
-                session.process(batch)
-            keep_up.append(time.perf_counter() - t0)
-            session.begin(0, prompt)
-            first.append(draft(1)[0])  # (a draft model catches up on the prompt first)
-            one.append(draft(1))
-            most.append(draft(k_max))
-            empty()
-    except SessionError as e:
-        log.warning("engine.drafter_calibration_failed", error=str(e))
-        with contextlib.suppress(SessionError):
-            empty()
-        return
-    (t1, k1), (tk, kk) = min(one), min(most)
-    # a stream drafter's pass over the prompt, or a draft model's catch-up on it
-    seconds = min(keep_up) if sync is DrafterSync.STREAM else max(min(first) - t1, 0.0)
-    cost.observe_sync(n, seconds)
-    for t, k in ((t1, k1), (tk, kk)):
-        cost.observe_draft(k, 1, t)  # (k = 0, the drafter drafted nothing: no figure)
-    log.debug("engine.drafter_calibrated", keep_up_s=seconds, draft_1_s=t1, draft_k_s=tk, k=kk)
 
 
 @dataclass(frozen=True)

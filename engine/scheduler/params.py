@@ -199,7 +199,7 @@ class EngineConfig:
     #: deltas a stream buffers before its request pauses for the consumer
     stream_buffer: int = 64
     #: "adaptive": each sequence drafts as many tokens as pay for themselves (see
-    #: engine.scheduler.policy); "fixed": always n_draft_max
+    #: engine.scheduler.drafting); "fixed": always n_draft_max
     draft_policy: str = "adaptive"
     #: one KV buffer for all sequences (None: when n_seq <= 16). llama.cpp's per-sequence KV
     #: streams need consecutive sequence ids and equally many tokens per sequence in a

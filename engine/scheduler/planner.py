@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from .. import _nb_spec
-from .policy import DrafterSync, Drafting, DraftPolicy
+from .drafting import DraftPolicy
 from .prefix import PrefixCache
 from .request import Request, RequestState
 
@@ -114,6 +114,11 @@ class WorkItem:
     begin: bool  #: the prompt's last chunk: the drafter begins its generation
     max_draft: int = 0  #: draft rows it could take (fillers that align the batch included)
     probe: bool = False  #: it drafts only to see whether its drafts are right again
+
+    @property
+    def decoding(self) -> bool:
+        """One verification of a generating sequence (not a prompt chunk)."""
+        return self.sample and not self.begin
 
 
 @dataclass
@@ -229,29 +234,12 @@ def plan_step(
     n_dec = min(len(decoding), n_batch)
     decoding = decoding[:n_dec]
     ks = caps = [0] * n_dec
+    probed = None
     if speculative and n_dec:
-        probe = step // policy.probe_every % n_dec if step % policy.probe_every == 0 else -1
-        catch_up = policy.sync is DrafterSync.CATCH_UP
-        seqs = [
-            Drafting(
-                r.draft_stats,
-                max(0, min(n_draft_max, n_ctx - r.n_past - 2, r.params.max_tokens - len(r.output_ids) - 1))
-                if r.drafter_in_sync
-                else 0,
-                probe=i == probe,
-                lag=r.n_past - r.drafter_upto if catch_up else 0,
-            )
-            for i, r in enumerate(decoding)
-        ]
-        caps = [s.max_k for s in seqs]
-        ks = policy.lengths(seqs)
         room = max(0, n_batch - reserve - n_dec)  # draft rows that fit beside the prompts
-        if policy.uniform:
-            ks = [min(k, room // n_dec) for k in ks]
-        while sum(ks) > room:  # shorten the longest drafts first
-            ks[max(range(n_dec), key=lambda i: ks[i])] -= 1
+        ks, caps, probed = policy.choose(decoding, room, n_draft_max, n_ctx, step)
     work = [
-        WorkItem(r, [r.last], r.n_past, True, k, False, cap, probe=speculative and i == policy.probed)  # type: ignore[list-item]
+        WorkItem(r, [r.last], r.n_past, True, k, False, cap, probe=i == probed)  # type: ignore[list-item]
         for i, (r, k, cap) in enumerate(zip(decoding, ks, caps, strict=True))
     ]
     budget = n_batch - n_dec - sum(ks)

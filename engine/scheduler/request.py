@@ -11,10 +11,10 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ..session.chat import ChatMessage, ChatParser, ChatPrompt, ToolCallDelta
+from .drafting.stats import DraftStats
 from .errors import UnknownRequestError
 from .output import FinishReason, TextAssembler, TokenLogprob
 from .params import SamplingParams
-from .policy import DraftStats
 
 __all__ = [
     "CheckpointWaiter",

@@ -18,11 +18,11 @@ from ..logs import get_logger
 from ..session import InvalidArgumentError, SessionError
 from ..session import errors as session_errors
 from .checkpoints import pack_request
+from .drafting import DrafterSync, DraftPolicy
 from .errors import QueueFullError, RequestError
 from .output import FinishReason, StopRules, process_output
 from .params import EngineConfig
 from .planner import Plan, SlotTable, WaitQueue, WorkItem, plan_step
-from .policy import DrafterSync, DraftPolicy
 from .request import Delta, Request, RequestMetrics, RequestState, Resume
 
 __all__ = ["EngineMetrics", "Scheduler"]
@@ -233,15 +233,7 @@ class Scheduler:
             policy=self.policy,
             step=self.metrics.steps,
         )
-        if self.policy.sync is DrafterSync.STREAM:  # (the other drafters are always fed)
-            decoding = [w for w in plan.work if w.request.state is RequestState.DECODE]
-            plan.sync_drafter = self.policy.sync_step(
-                self.metrics.steps,
-                len(decoding),
-                sum(len(w.tokens) for w in plan.work) - len(decoding),
-                any(w.request.drafter_in_sync for w in plan.work),
-                any(w.request.drafter_in_sync for w in decoding),
-            )
+        plan.sync_drafter = self.policy.feed_drafter(self.metrics.steps, plan.work)
         # taken last: a planning fault leaves them for the next plan
         plan.settles = sorted(self._settles.items())
         self._settles.clear()
@@ -332,6 +324,7 @@ class Scheduler:
         """Apply one native step's result: captures, errors, then each request's outputs.
         A fault while applying one request's part fails that request alone."""
         self._count(plan, result)
+        self.policy.observe(plan.work, result)
         preempted = dict(plan.preempted)
         for cap in result.captures:
             if (victim := preempted.pop(cap.seq, None)) is not None:
@@ -403,14 +396,6 @@ class Scheduler:
             self._settles[r.slot] = outcome.keep - 1  # a stop inside accepted drafts
             self.metrics.cut_tokens += len(out.tokens) - outcome.keep
         kept_drafts = outcome.keep - 1
-        if w.probe and out.drafted:
-            self.policy.observe_probe(out.accepted > 0)
-        if out.drafted < out.produced:  # the step dropped a partial tile: later positions unseen
-            self.policy.observe_verification(r.draft_stats, out.drafted, out.drafted, out.accepted)
-        else:  # (fillers past what the drafter produced may be accepted too: not its merit)
-            self.policy.observe_verification(
-                r.draft_stats, w.n_draft, out.produced, min(out.accepted, out.produced)
-            )
         m = self.metrics
         r.metrics.drafted += out.drafted
         r.metrics.accepted += kept_drafts
@@ -453,18 +438,6 @@ class Scheduler:
         m.draft_calls += result.n_draft_calls
         m.max_decode_calls_per_step = max(m.max_decode_calls_per_step, result.n_decode_calls)
         m.max_draft_calls_per_step = max(m.max_draft_calls_per_step, result.n_draft_calls)
-        if result.n_decode_calls == 1:  # (several: a batch over n_batch, or a retry)
-            rows = sum(1 + out.drafted for out in result.outputs)  # the rows that needed logits
-            produced = [out.produced for out in result.outputs if out.produced]
-            self.policy.observe_step(
-                rows,
-                result.n_batch_tokens - rows,
-                (result.t_decode_us - result.t_process_us) / 1e6,
-                max(produced, default=0),
-                len(produced),
-                result.t_draft_us / 1e6,
-            )
-            self.policy.observe_sync(result.n_sync_tokens, (result.t_process_us + result.t_catch_up_us) / 1e6)
         m.batch_tokens += result.n_batch_tokens
         m.step_seconds += result.t_total_us / 1e6
         if result.draft_error:

@@ -42,141 +42,23 @@ length for every decoding sequence (and the step trims every draft to the shorte
 
 from __future__ import annotations
 
-import enum
-import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from .cost import StepCost
+from .stats import _ACCEPTED, _PRODUCED, _REQUESTED, DrafterSync, DraftStats
 
-__all__ = ["DraftPolicy", "DraftStats", "DrafterGate", "DrafterSync"]
+if TYPE_CHECKING:
+    from ..planner import WorkItem
+    from ..request import Request
+
+__all__ = ["DraftPolicy", "DrafterGate", "Drafts", "Tuning"]
 
 Num = float | np.ndarray  #: a number or an array of them (elementwise)
-
-
-class DrafterSync(enum.Enum):
-    """How a drafter keeps up with what the target decodes: the session's ``drafter_sync``
-    (the extension decides it from the speculative type)."""
-
-    NONE = "none"  #: n-gram drafters read the token history: nothing to decode
-    CATCH_UP = "catch_up"  #: a draft model decodes the history it skipped when it drafts
-    STREAM = "stream"  #: hidden-state drafters read every batch; one skipped is lost to them
-
-
-#: DraftStats' series: a draft requested, produced, accepted at position m; requested
-#: there with a token produced / accepted at m - 1 (the cases in which a token at m could
-#: follow one at m - 1; 0 at m = 1)
-_REQUESTED, _PRODUCED, _ACCEPTED, _AFTER_PRODUCED, _AFTER_ACCEPTED = range(5)
-
-
-@dataclass
-class DraftStats:
-    """Per draft position m = 1, 2, ...: how often a draft was requested there, how often the
-    drafter produced a token there, how often the target accepted it. ``decay`` < 1 weighs
-    recent steps more (1: plain counts).
-
-    Every decoding sequence records one verification per step, into its own stats and the
-    engine's: a record costs O(1), not O(positions). A verification adds 1 to a run of
-    positions of each series, so requested, produced and accepted are kept as differences
-    between neighbouring positions (two entries per run) and expanded when read; of the
-    other two only their sums over positions are read, so only those are kept. The decay
-    scales what was recorded before, so it is kept as one factor for everything, each new
-    record added in units of it."""
-
-    decay: float = 1.0
-    version: int = 0  #: counts the verifications recorded
-    matched: int = 0  #: counts those in which the drafter produced a token
-    rejected: int = 0  #: counts those in which the target rejected a drafted token
-    _scale: float = field(default=1.0, repr=False)  #: a count is the stored value times this
-    #: requested, produced, accepted: per position, the change from the position before
-    _diffs: list[list[float]] = field(default_factory=lambda: [[0.0] for _ in range(3)], repr=False)
-    _sums: list[float] = field(default_factory=lambda: [0.0] * 5, repr=False)  #: over positions
-    _dense: tuple[int, list[list[float]]] | None = field(default=None, repr=False, compare=False)  #: _runs
-    _counts: tuple[int, np.ndarray] | None = field(default=None, repr=False, compare=False)
-
-    def record(self, requested: int, produced: int, accepted: int) -> None:
-        """One verification: ``requested`` draft positions, ``produced`` of them drafted,
-        the first ``accepted`` of those accepted."""
-        if requested <= 0:
-            return
-        self.version += 1
-        if self.decay < 1.0:
-            self._scale *= self.decay
-            if self._scale < 1e-100:  # (long before the stored values could overflow)
-                self._rescale()
-        produced, accepted = min(produced, requested), min(accepted, produced, requested)
-        if produced > 0:
-            self.matched += 1
-        if accepted < produced:
-            self.rejected += 1
-        diffs, sums, unit = self._diffs, self._sums, 1.0 / self._scale
-        if len(diffs[0]) <= requested:
-            for d in diffs:
-                d.extend([0.0] * (requested + 1 - len(d)))
-        for series, upto in ((_REQUESTED, requested), (_PRODUCED, produced), (_ACCEPTED, accepted)):
-            if upto > 0:
-                d = diffs[series]
-                d[0] += unit
-                d[upto] -= unit
-                sums[series] += unit * upto
-        # (positions 2.. up to one past the last produced / accepted token)
-        sums[_AFTER_PRODUCED] += unit * (min(produced + 1, requested) - 1)
-        sums[_AFTER_ACCEPTED] += unit * (min(accepted + 1, requested) - 1)
-
-    def _rescale(self) -> None:
-        scale = self._scale
-        self._diffs = [[x * scale for x in d] for d in self._diffs]
-        self._sums = [x * scale for x in self._sums]
-        self._scale = 1.0
-
-    def _runs(self) -> list[list[float]]:
-        """Requested, produced and accepted per position, in stored units (times
-        ``_scale``: counts), expanded once per verification."""
-        if self._dense is None or self._dense[0] != self.version:
-            self._dense = (self.version, [list(itertools.accumulate(d[:-1])) for d in self._diffs])
-        return self._dense[1]
-
-    def count(self, series: int, m: int) -> float:
-        """How often ``series`` (requested, produced, accepted) happened at position m."""
-        runs = self._runs()[series]
-        return max(runs[m - 1] * self._scale, 0.0) if m <= len(runs) else 0.0  # (rounding: -1e-16s)
-
-    def total(self, series: int) -> float:
-        """A series summed over every position."""
-        return self._sums[series] * self._scale
-
-    def counts(self, k: int) -> np.ndarray:
-        """(requested, produced, accepted) at positions 1..k (0 where nothing was recorded),
-        a (3, k) array, kept until the next verification (the policy reads it every step)."""
-        if self._counts is None or self._counts[0] != self.version or self._counts[1].shape[1] != k:
-            out = np.array([xs[:k] + [0.0] * (k - len(xs)) for xs in self._runs()])
-            out *= self._scale
-            self._counts = (self.version, np.maximum(out, 0.0, out=out))
-        return self._counts[1]
-
-    def rates(self, m: int, prior: tuple[float, float], weight: float) -> tuple[float, float]:
-        """(P(a token is produced at position m), P(it is produced and accepted)), both given
-        that position m is requested; ``prior`` is what a request with no history gets."""
-        req = self.count(_REQUESTED, m) + weight
-        return (
-            (self.count(_PRODUCED, m) + weight * prior[0]) / req,
-            (self.count(_ACCEPTED, m) + weight * prior[1]) / req,
-        )
-
-    def continuation(self, prior: tuple[float, float], weight: float) -> tuple[float, float]:
-        """(P(a token is produced at m | one was at m - 1), P(it is accepted | the one at
-        m - 1 was)), pooled over the positions m >= 2 requested; ``prior`` counts as
-        ``weight`` cases."""
-        deeper_produced = self.total(_PRODUCED) - self.count(_PRODUCED, 1)
-        deeper_accepted = self.total(_ACCEPTED) - self.count(_ACCEPTED, 1)
-        return (
-            (max(deeper_produced, 0.0) + weight * prior[0]) / (self.total(_AFTER_PRODUCED) + weight),
-            (max(deeper_accepted, 0.0) + weight * prior[1]) / (self.total(_AFTER_ACCEPTED) + weight),
-        )
 
 
 #: the engine-wide (produced, accepted) rates at draft position 1 before anything was
@@ -207,7 +89,7 @@ class _Price(NamedTuple):
 
 
 class _Idle(NamedTuple):
-    """A choice of no drafts, standing (see :attr:`DraftPolicy.recheck_every`)."""
+    """A choice of no drafts, standing (see :attr:`Tuning.recheck_every`)."""
 
     version: int  #: the engine's statistics when it was searched
     n: int  #: sequences decoding then
@@ -225,23 +107,55 @@ class Drafting:
     lag: int = 0  #: tokens a catching-up draft model decodes before it drafts for it
 
 
+class Drafts(NamedTuple):
+    """A step's drafts (:meth:`DraftPolicy.choose`), by decoding request in order."""
+
+    lengths: list[int]  #: drafts each verifies
+    caps: list[int]  #: the most each could have verified
+    probed: int | None  #: the one drafting only to see whether its drafts are right again
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """The policy's constants, in one place (tests change them; nothing else does)."""
+
+    #: drafts from a drafter with a model of its own must beat drafting nothing by this much
+    #: (the cost model is ~10 % accurate step to step: a loss is what we avoid); an n-gram
+    #: drafter's margin only keeps drafts worth next to nothing from costing an optimisation
+    margin: float = 0.05
+    ngram_margin: float = 0.01
+    prior_weight: float = 3.0  #: how many verifications the engine-wide prior is worth
+    #: steps between probes; doubles (up to ``max_probe_every``) with each probe rejected
+    probe_every: int = 32
+    max_probe_every: int = 1024
+    #: steps a choice of no drafts stands while nothing it rests on changed (see
+    #: :meth:`DraftPolicy.lengths`), doubling with each search in a row that again chooses none
+    recheck_every: int = 8
+    max_recheck_every: int = 128
+    #: how many times longer the price of drafting every match stands while no n-gram has
+    #: matched since it was computed (see :meth:`DraftPolicy._every_match_pays`)
+    unmatched_life: int = 8
+    #: a stream drafter's gate: losing steps in a row before it closes; steps before it
+    #: opens again, doubling each time it closes again soon
+    gate_patience: int = 8
+    gate_backoff: int = 256
+    gate_max_backoff: int = 16384
+
+
 @dataclass
 class DrafterGate:
     """Whether a stream drafter reads this step's batch (:attr:`DrafterSync.STREAM`).
 
     Open, every step weighs the policy's choice with the drafter's pass over the batch
-    against a step without drafter; after ``patience`` steps in a row that lose, the gate
-    closes (every sequence in a skipped batch drafts no more) and opens again
+    against a step without drafter; after :attr:`Tuning.gate_patience` steps in a row that
+    lose, the gate closes (every sequence in a skipped batch drafts no more) and opens again
     ``backoff`` steps later for the requests that start then, the wait doubling each time
     it closes again soon. A batch with no sequence in sync is never fed."""
 
-    patience: int = 8
-    base_backoff: int = 256
-    max_backoff: int = 16384
     open: bool = True
     strikes: int = 0
     paid: int = 0  #: steps in a row that paid
-    backoff: int = 256
+    backoff: int = Tuning.gate_backoff
     retry_at: int = 0
 
 
@@ -253,23 +167,11 @@ class DraftPolicy:
     uniform: bool = False  #: one length for every sequence (per-sequence KV streams)
     cost: StepCost = field(default_factory=StepCost)
     engine: DraftStats = field(default_factory=lambda: DraftStats(decay=0.995))
-    prior_weight: float = 3.0  #: how many verifications the engine-wide prior is worth
-    #: drafts from a drafter with a model of its own must beat drafting nothing by this much
-    #: (the cost model is ~10 % accurate step to step: in the marginal region a guess is a
-    #: coin toss, and a loss is what we avoid). An n-gram drafter costs nothing but the rows
-    #: it fills, and there the model errs the other way: on Gemma 3 270M at 4 and 16
-    #: streams, drafting every match (``fixed``) beat this policy in every interleaved
-    #: comparison, so its margin only keeps drafts worth next to nothing (a drafter that
-    #: never matches) from costing every step an optimisation
-    margin: float = 0.05
-    ngram_margin: float = 0.01
+    tuning: Tuning = Tuning()
     #: an n-gram drafter (:attr:`DrafterSync.NONE`): every sequence asks for its longest
     #: draft while the engine's accepted-per-row pays (see :meth:`_every_match_pays`)
     every_match: bool = False
-    #: steps between probes; doubles (up to ``max_probe_every``) with each probe rejected
-    probe_every: int = 32
-    base_probe_every: int = 32
-    max_probe_every: int = 1024
+    probe_every: int = Tuning.probe_every  #: steps between probes now
     sync: DrafterSync = DrafterSync.NONE
     gate: DrafterGate = field(default_factory=DrafterGate)
     #: the last choice of :meth:`lengths`: (expected accepted, expected draft rows, longest
@@ -277,23 +179,79 @@ class DraftPolicy:
     chosen: tuple[float, float, int, int, int] = (0.0, 0.0, 0, 0, 0)
     probed: int | None = None  #: the sequence :meth:`lengths` made probe, by index
     k_cap: int = 0  #: the longest draft a sequence was allowed so far
-    #: a choice of no drafts stands for up to this many steps while no statistic changed (no
-    #: draft was verified anywhere: the engine's version) and no fewer sequences decode: the
-    #: steps that draft nothing pay for no optimisation. Requests that come and go do not
-    #: reopen it: one that joins knows only the engine's prior, which has not changed either
-    #: (at 16 streams of 64 tokens a request ends every 4 steps: a search on 43 % of the
-    #: steps), and more sequences make rows no cheaper. Each search in a row that again
-    #: chooses none doubles the wait, up to ``max_recheck_every`` (a tiny model's step is
-    #: 1 ms, a search 0.3 ms between two decodes: every 8th step, 3 % of its time)
-    recheck_every: int = 8
-    max_recheck_every: int = 128
-    #: how many times longer the price of drafting every match stands while no n-gram has
-    #: matched since it was computed (see :meth:`_every_match_pays`)
-    unmatched_life: int = 8
     _idle: _Idle | None = None  #: the choice of none that stands
     _matching: dict[tuple[int, int], _Price] = field(default_factory=dict)  #: by (n, k)
     _log_ways: dict[int, np.ndarray] = field(default_factory=dict)  #: log C(n, j), j = 0..n
     _prior: tuple[int, int, np.ndarray] | None = None  #: (engine version, k, priors(k) as rows)
+
+    # --- what the scheduler calls: choose a step's drafts, feed the drafter, observe -------
+    def choose(
+        self, decoding: Sequence[Request], room: int, n_draft_max: int, n_ctx: int, step: int
+    ) -> Drafts:
+        """Draft lengths for the decoding requests of step ``step``, ``room`` draft rows
+        fitting in its batch beside the prompts (shortest drafts kept first)."""
+        n = len(decoding)
+        probe = step // self.probe_every % n if n and step % self.probe_every == 0 else -1
+        catch_up = self.sync is DrafterSync.CATCH_UP
+        seqs = [
+            Drafting(
+                r.draft_stats,
+                # (the context keeps room for the drafts and the token sampled after them)
+                max(0, min(n_draft_max, n_ctx - r.n_past - 2, r.params.max_tokens - len(r.output_ids) - 1))
+                if r.drafter_in_sync
+                else 0,
+                probe=i == probe,
+                lag=r.n_past - r.drafter_upto if catch_up else 0,
+            )
+            for i, r in enumerate(decoding)
+        ]
+        ks = self.lengths(seqs)
+        if self.uniform and n:
+            ks = [min(k, room // n) for k in ks]
+        while sum(ks) > room:  # shorten the longest drafts first
+            ks[max(range(n), key=lambda i: ks[i])] -= 1
+        return Drafts(ks, [s.max_k for s in seqs], self.probed)
+
+    def feed_drafter(self, step: int, work: Sequence[WorkItem]) -> bool:
+        """Whether this step's batch goes to the drafter (see :meth:`sync_step`)."""
+        if self.sync is not DrafterSync.STREAM:
+            return True  # (the other drafters are always fed)
+        decoding = [w for w in work if w.decoding]
+        return self.sync_step(
+            step,
+            len(decoding),
+            sum(len(w.tokens) for w in work) - len(decoding),
+            any(w.request.drafter_in_sync for w in work),
+            any(w.request.drafter_in_sync for w in decoding),
+        )
+
+    def observe(self, work: Sequence[WorkItem], result: Any) -> None:
+        """A native step's result (``_nb_spec.StepResult``): each verification, a probe's
+        outcome, and what the step cost."""
+        outputs = {out.seq: out for out in result.outputs}
+        for w in work:
+            out = outputs.get(w.request.slot) if w.sample else None
+            if out is None or w.n_draft == 0:
+                continue
+            if w.probe and out.drafted:
+                self.observe_probe(out.accepted > 0)
+            stats = w.request.draft_stats
+            if out.drafted < out.produced:  # the step dropped a partial tile: later positions unseen
+                self.observe_verification(stats, out.drafted, out.drafted, out.accepted)
+            else:  # (fillers past what the drafter produced may be accepted too: not its merit)
+                self.observe_verification(stats, w.n_draft, out.produced, min(out.accepted, out.produced))
+        if result.n_decode_calls == 1:  # (several: a batch over n_batch, or a retry)
+            rows = sum(1 + out.drafted for out in result.outputs)  # the rows that needed logits
+            produced = [out.produced for out in result.outputs if out.produced]
+            self.observe_step(
+                rows,
+                result.n_batch_tokens - rows,
+                (result.t_decode_us - result.t_process_us) / 1e6,
+                max(produced, default=0),
+                len(produced),
+                result.t_draft_us / 1e6,
+            )
+            self.observe_sync(result.n_sync_tokens, (result.t_process_us + result.t_catch_up_us) / 1e6)
 
     def prior(self, m: int) -> tuple[float, float]:
         """Engine-wide rates at position m (see :meth:`priors`)."""
@@ -337,7 +295,8 @@ class DraftPolicy:
             ks = [0] * n
         else:
             ks = self._optimise(seqs)
-            stands = self.recheck_every if idle is None else min(2 * idle.stands, self.max_recheck_every)
+            t = self.tuning
+            stands = t.recheck_every if idle is None else min(2 * idle.stands, t.max_recheck_every)
             self._idle = None if any(ks) else _Idle(version, n, 1, stands)
         if self.uniform:
             return ks
@@ -367,15 +326,14 @@ class DraftPolicy:
             self._prior = (self.engine.version, k, np.array(self.priors(k)).T)
         prior = self._prior[2]
         counts = np.stack([s.stats.counts(k) for s in seqs])
-        w = self.prior_weight
+        w = self.tuning.prior_weight
         cases = counts[:, 0] + w
         return (counts[:, 1] + w * prior[0]) / cases, (counts[:, 2] + w * prior[1]) / cases
 
     def observe_probe(self, accepted: bool) -> None:
         """A probe's outcome: a rejected one waits twice as long for the next."""
-        self.probe_every = (
-            self.base_probe_every if accepted else min(2 * self.probe_every, self.max_probe_every)
-        )
+        t = self.tuning
+        self.probe_every = t.probe_every if accepted else min(2 * self.probe_every, t.max_probe_every)
 
     def _every_match_pays(self, n: int, k: int) -> bool:
         """Whether ``n`` sequences that all ask an n-gram drafter for up to ``k`` tokens make
@@ -410,7 +368,7 @@ class DraftPolicy:
             if e.rejected != known.rejected:
                 life = n
             else:
-                life = max(8 * n, 32) * (1 if e.matched != known.matched else self.unmatched_life)
+                life = max(8 * n, 32) * (1 if e.matched != known.matched else self.tuning.unmatched_life)
             if version - known.version < life:
                 return known.pays
         w = _FIRST_WEIGHT
@@ -427,7 +385,7 @@ class DraftPolicy:
         p = np.exp(log_ways + j * math.log(match) + (n - j) * math.log1p(-match))  # (j sequences match)
         seconds = float(p @ self._costs(n, j * length, np.where(j > 0, k, 0), j, 0))
         with_drafts = (n + n * match * length * accepted_per_row) / seconds
-        pays = with_drafts > self._value(0.0, 0.0, 0, 0, n) * (1.0 + self.ngram_margin)
+        pays = with_drafts > self._value(0.0, 0.0, 0, 0, n) * (1.0 + self.tuning.ngram_margin)
         self._matching[n, k] = _Price(version, e.matched, e.rejected, pays)
         return pays
 
@@ -437,7 +395,7 @@ class DraftPolicy:
         return max((self.cost.target(2 * n) - self.cost.target(n)) / n, 1e-9)
 
     def _margin(self) -> float:
-        return self.ngram_margin if self.sync is DrafterSync.NONE else self.margin
+        return self.tuning.ngram_margin if self.sync is DrafterSync.NONE else self.tuning.margin
 
     def _value(self, gain: float, rows: float, k_max: int, n_drafting: int, n: int, lag: int = 0) -> float:
         """Expected tokens per second of a step of ``n`` decoding sequences whose drafts
@@ -486,13 +444,13 @@ class DraftPolicy:
             )
             if with_drafter >= n / cost.target(n, prompt):
                 g.strikes, g.paid = 0, g.paid + 1
-                if g.paid >= g.patience:
-                    g.backoff = g.base_backoff
+                if g.paid >= self.tuning.gate_patience:
+                    g.backoff = self.tuning.gate_backoff
             else:
                 g.strikes, g.paid = g.strikes + 1, 0
-                if g.strikes >= g.patience:
+                if g.strikes >= self.tuning.gate_patience:
                     g.open, g.retry_at = False, step + g.backoff
-                    g.backoff = min(2 * g.backoff, g.max_backoff)
+                    g.backoff = min(2 * g.backoff, self.tuning.gate_max_backoff)
                     return False
         return True
 

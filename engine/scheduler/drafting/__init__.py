@@ -1,0 +1,30 @@
+"""Drafting as one subsystem: how many tokens each sequence drafts in a step.
+
+The scheduler calls :class:`DraftPolicy` three times a step: :meth:`~DraftPolicy.choose`
+(this step's draft lengths, within the batch room the planner leaves),
+:meth:`~DraftPolicy.feed_drafter` (whether a hidden-state drafter reads the batch) and
+:meth:`~DraftPolicy.observe` (the step's verifications and what it cost). Inside:
+
+- :mod:`.policy`: the choice (expected tokens per second of the step), probes, the gate of a
+  drafter that must read every batch;
+- :mod:`.cost`: :class:`StepCost`, what a step costs on this machine;
+- :mod:`.calibration`: measuring it at start;
+- :mod:`.stats`: :class:`DraftStats`, what a drafter got right per position.
+"""
+
+from .calibration import calibrate
+from .cost import StepCost
+from .policy import DrafterGate, Drafting, DraftPolicy, Drafts, Tuning
+from .stats import DrafterSync, DraftStats
+
+__all__ = [
+    "DraftPolicy",
+    "DraftStats",
+    "DrafterGate",
+    "DrafterSync",
+    "Drafting",
+    "Drafts",
+    "StepCost",
+    "Tuning",
+    "calibrate",
+]
