@@ -119,11 +119,10 @@ class Drafts(NamedTuple):
 class Tuning:
     """The policy's constants, in one place (tests change them; nothing else does)."""
 
-    #: drafts from a drafter with a model of its own must beat drafting nothing by this much
-    #: (the cost model is ~10 % accurate step to step: a loss is what we avoid); an n-gram
-    #: drafter's margin only keeps drafts worth next to nothing from costing an optimisation
+    #: drafts must beat drafting nothing by this much, whatever the drafter: the cost
+    #: model's price of a step of many rows errs by 7-20 % under load (16 streams), and a
+    #: 1 % margin for n-gram drafters drafted at 71-78 % acceptance where that was a loss
     margin: float = 0.05
-    ngram_margin: float = 0.01
     prior_weight: float = 3.0  #: how many verifications the engine-wide prior is worth
     #: steps between probes; doubles (up to ``max_probe_every``) with each probe rejected
     probe_every: int = 32
@@ -385,7 +384,7 @@ class DraftPolicy:
         p = np.exp(log_ways + j * math.log(match) + (n - j) * math.log1p(-match))  # (j sequences match)
         seconds = float(p @ self._costs(n, j * length, np.where(j > 0, k, 0), j, 0))
         with_drafts = (n + n * match * length * accepted_per_row) / seconds
-        pays = with_drafts > self._value(0.0, 0.0, 0, 0, n) * (1.0 + self.tuning.ngram_margin)
+        pays = with_drafts > self._value(0.0, 0.0, 0, 0, n) * (1.0 + self.tuning.margin)
         self._matching[n, k] = _Price(version, e.matched, e.rejected, pays)
         return pays
 
@@ -393,9 +392,6 @@ class DraftPolicy:
         """Seconds one more row adds to a step of ``n`` decoding sequences (the mean over
         as many again)."""
         return max((self.cost.target(2 * n) - self.cost.target(n)) / n, 1e-9)
-
-    def _margin(self) -> float:
-        return self.tuning.ngram_margin if self.sync is DrafterSync.NONE else self.tuning.margin
 
     def _value(self, gain: float, rows: float, k_max: int, n_drafting: int, n: int, lag: int = 0) -> float:
         """Expected tokens per second of a step of ``n`` decoding sequences whose drafts
@@ -505,7 +501,7 @@ class DraftPolicy:
         """Which of the choices ``values`` (expected tokens per second; ``values[0]``: no
         drafts) to take: the best, the first of equals, if it beats none by the margin; else 0."""
         j = int(np.argmax(values[1:])) + 1
-        return j if values[j] > values[0] * (1.0 + self._margin()) else 0
+        return j if values[j] > values[0] * (1.0 + self.tuning.margin) else 0
 
     def _uniform(self, seqs: Sequence[Drafting], prod: np.ndarray, acc: np.ndarray) -> list[int]:
         # every sequence gets k rows of drafts (drafts are trimmed to the shortest produced):
