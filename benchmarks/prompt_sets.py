@@ -23,14 +23,15 @@ from side_by_side import ROOT, write_benchmarks
 
 RESULTS = ROOT / "benchmarks" / "results"
 RUNS = RESULTS / "prompt_sets"
-SETS = ["heldout", "copy", "code", "edits", "summaries", "chat", "mixed"]
+SETS = ["heldout", "copy", "code", "edits", "summaries", "chat", "formats", "mixed"]
 ABOUT = {
-    "heldout": "held out of all tuning: records turned from one format into another",
+    "heldout": "held out of all tuning: answers that quote a passage, text rewritten with small changes",
     "copy": "answers that repeat the prompt",
     "code": "code completions and edits",
     "edits": "prose and data to correct or repeat with changes",
     "summaries": "summaries that reuse the prompt's phrases",
     "chat": "questions whose answers copy little",
+    "formats": "records turned from one format into another (the 16-stream loss was diagnosed on it)",
     "mixed": "questions, lists, code, stories",
 }
 

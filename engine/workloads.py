@@ -1,6 +1,6 @@
 """The benchmarks' prompt sets (and prompt files), for ``python -m engine bench`` and the
-scripts in ``benchmarks/``: mixed, copy-heavy, code, edits, summaries, chat and a set held out
-of all tuning, plus shared-prefix prompts."""
+scripts in ``benchmarks/``: mixed, copy-heavy, code, edits, summaries, chat, formats and a set held
+out of all tuning, plus shared-prefix prompts."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ __all__ = [
     "CODE_PROMPTS",
     "COPY_PROMPTS",
     "EDIT_PROMPTS",
+    "FORMAT_PROMPTS",
     "HELDOUT_PROMPTS",
     "PROMPTS",
     "PROMPT_SETS",
@@ -157,9 +158,8 @@ CHAT_PROMPTS = [
     "User: What should I pack for a weekend of hiking?\nAssistant:",
 ]
 
-#: held out of every tuning of the draft policy (the published table runs on it): turning
-#: records from one format into another, where the answer copies the values and not the layout
-HELDOUT_PROMPTS = [
+#: records turned from one format into another: the answer copies the values, not the layout
+FORMAT_PROMPTS = [
     "CSV:\nname,team,points\nAlice,red,12\nBruno,blue,9\nChen,red,15\nDara,green,7\n"
     "The same rows as a Markdown table:\n| name | team | points |\n|---|---|---|\n",
     "Log:\n2024-05-01 10:02:11 ERROR disk full on /var\n2024-05-01 10:05:40 WARN retrying upload\n"
@@ -175,6 +175,34 @@ HELDOUT_PROMPTS = [
     "at half past eleven.\nThe same sentence in the future tense: The train to Glasgow will",
 ]
 
+_NOTICE = (
+    "From 1 March the library opens at 9:00 on weekdays and at 10:00 on Saturdays. Books may be "
+    "borrowed for three weeks and renewed twice online. Members who return books late pay 20 "
+    "cents a day, up to 5 euros a book. The reading room on the second floor is reserved for "
+    "quiet study, and the café on the ground floor closes one hour before the library."
+)
+
+#: held out of all tuning of the draft policy (the published table runs on it): answers that
+#: quote a passage or a definition, and text rewritten with small changes
+HELDOUT_PROMPTS = [
+    f"Notice: {_NOTICE}\nQuestion: When does the library open on Saturdays, and how long may "
+    "books be borrowed?\nAnswer, quoting the notice:",
+    f"Notice: {_NOTICE}\nThe same notice, written for children in simpler words:",
+    f"Notice: {_NOTICE}\nThe notice's rules as a bulleted list:\n-",
+    "class Account:\n    def __init__(self, owner, balance=0):\n        self.owner = owner\n"
+    "        self.balance = balance\n\n    def deposit(self, amount):\n        self.balance += amount\n\n"
+    "    def withdraw(self, amount):\n        if amount > self.balance:\n"
+    "            raise ValueError('insufficient funds')\n        self.balance -= amount\n\n"
+    "# The same class as a Python dataclass:\nfrom dataclasses import dataclass\n\n@dataclass\nclass Account:\n",
+    "Recipe: Mix 200 g flour, 2 eggs and 300 ml milk into a smooth batter. Rest it for 30 minutes. "
+    "Heat a pan with a little butter and pour in a thin layer. Cook each side for one minute.\n"
+    "The same recipe for twice as many people:",
+    "Email: Hi Sam, could you send me the slides from Tuesday's meeting before Friday? I also need "
+    "the budget table we discussed. Thanks, Priya\nThe same email, more formal: Dear Sam,",
+    "Error: TypeError: unsupported operand type(s) for +: 'int' and 'str' in line 12 of report.py, "
+    "where total = count + label\nExplanation of the error, quoting the line:",
+]
+
 PROMPT_SETS = {
     "mixed": PROMPTS,
     "copy": COPY_PROMPTS,
@@ -183,6 +211,7 @@ PROMPT_SETS = {
     "edits": EDIT_PROMPTS,
     "summaries": SUMMARY_PROMPTS,
     "chat": CHAT_PROMPTS,
+    "formats": FORMAT_PROMPTS,
     "heldout": HELDOUT_PROMPTS,
 }
 
