@@ -76,10 +76,13 @@ def render() -> str:
     if not order:
         raise SystemExit(f"no runs under {RUNS.relative_to(ROOT)}: measure first")
     first = reports[order[0]]
+    machine = first["machine"]
+    if isinstance(machine, dict):
+        machine = f"{machine.get('cpu', '?')}, {machine.get('cores', '?')} cores"
     lines = [
         "## Prompts nobody tuned for",
         "",
-        f"`python benchmarks/prompt_sets.py` ({first['model']}, {first['machine']}, "
+        f"`python benchmarks/prompt_sets.py` ({first['model']}, {machine}, "
         f"{first['settings']['max_tokens']} greedy tokens a request, 4N requests (at least 8) per N, "
         "end-of-generation ignored): speculation on (`--spec` below, the engine's defaults: "
         "16-token drafts, 4-token n-gram keys) ÷ off, each run's steady-state tok/s; the ratio is "
