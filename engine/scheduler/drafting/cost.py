@@ -158,15 +158,10 @@ class StepCost:
         """Measure target decodes of 1, 2, 4, 5, 8, 16, 32, 64 and 128 rows (up to ``max_rows``;
         3, 6, 7 interpolated, more extrapolated) and one prompt chunk; ``measure(rows,
         prompt)`` returns seconds; each is measured twice (the first run of a shape allocates).
-        1.1 s for Gemma 3 270M on 2 cores at 4 sequences, 1.7 s at 16.
 
-        The large batches are measured, not extrapolated: drafting every match at 16 streams
-        makes steps of 100 rows and more, and the curve flattens past 32 (Gemma 3 270M, 2-core
-        AMD EPYC: 2.4 ms a row from 16 to 32 rows, 2.2 from 64 to 128). Extrapolated, 128
-        rows came out 4 % dearer than measured; small as that is, it held the price of
-        drafting every match at 16 streams within a few percent of none, so the policy
-        drafted on some steps and not on others (copy-heavy prompts, 16 streams: 1.15x of
-        speculation off before, 1.24x measured to 128 rows; 3 interleaved repeats each)."""
+        The large batches are measured, not extrapolated: drafting every match makes steps of
+        100 rows and more, and the curve flattens past 32 rows, so an extrapolation prices
+        them too dear by just enough to flip the choice from step to step."""
 
         def best_of_two(rows: int, prompt: int = 0) -> float:  # (the first of a shape allocates)
             return min(measure(rows, prompt), measure(rows, prompt))
@@ -236,8 +231,7 @@ class StepCost:
         prompt: the curve the policy interpolates its candidates on, drafts adding rows to a
         step of ``lo``. Never scaled below ``lo``'s factor: under load a row also attends
         over the histories held, which weighs more on a step of more rows, so a step with
-        drafts is not relatively cheaper than the one without (where the learned factors
-        said so, 16 streams drafted at 68-72 % acceptance and lost 0.84x)."""
+        drafts is not relatively cheaper than the one without."""
         rows = np.arange(lo, hi + 1)
         if not self.calibrated:
             return rows.astype(float)
@@ -260,12 +254,9 @@ class StepCost:
 
     def _scale_grid(self) -> np.ndarray:
         """The grid as priced: a size seen little takes the factor of the sizes below it,
-        its own only as it is seen. Under load every row also attends over the histories
-        held, which the calibration (an empty cache) does not: the size seen most (a step
-        without drafts) learns that first, and a size seen rarely (a step of many drafts)
-        must not keep the calibration's price meanwhile, or drafts look cheaper than they
-        are (16 streams: steps of 64-80 rows 38 % dearer than priced, drafted at 75 %
-        acceptance, 0.83x of speculation off)."""
+        its own only as it is seen. The size seen most (a step without drafts) learns the
+        load first; a size seen rarely (a step of many drafts) must not keep the
+        calibration's price meanwhile, or drafts look cheaper than they are."""
         if self._effective is None:
             out, below = [], self.grid[0]
             for g, seen in zip(self.grid, self.evidence, strict=True):

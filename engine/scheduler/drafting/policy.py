@@ -120,8 +120,7 @@ class Tuning:
     """The policy's constants, in one place (tests change them; nothing else does)."""
 
     #: drafts must beat drafting nothing by this much, whatever the drafter: the cost
-    #: model's price of a step of many rows errs by 7-20 % under load (16 streams), and a
-    #: 1 % margin for n-gram drafters drafted at 71-78 % acceptance where that was a loss
+    #: model's price of a step of many rows is less sure than that (BENCHMARKS.md)
     margin: float = 0.05
     prior_weight: float = 3.0  #: how many verifications the engine-wide prior is worth
     #: steps between probes; doubles (up to ``max_probe_every``) with each probe rejected
