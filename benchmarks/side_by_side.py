@@ -75,6 +75,7 @@ PARTS = [
     ROOT / "benchmarks" / "results" / name
     for name in (
         "prompt_sets.md",  # (benchmarks/prompt_sets.py)
+        "draft_pair.md",  # (benchmarks/draft_pair.py)
         "speculation_notes.md",  # (written by hand)
         "prefix_reuse.md",
         "http.md",
@@ -108,6 +109,7 @@ class Setup:
     n_ctx: int  # per sequence
     n_draft: int
     ngram_n: int
+    draft: str | None = None  #: a draft model's path (``--spec-type draft-simple``)
 
     def requests(self, n: int, per_n: int) -> list[list[int]]:
         """The prompts of a load's requests, in the order every side sends them."""
@@ -154,6 +156,8 @@ def server_command(s: Setup, n: int, spec: str, port: int) -> list[str]:
     ]  # fmt: skip
     if spec != "none":
         cmd += ["--spec-type", spec, "--spec-draft-n-max", str(s.n_draft)]
+        if s.draft is not None:
+            cmd += ["--model-draft", s.draft, "-td", str(s.threads), "-tbd", str(s.threads)]
         if spec == "ngram-simple":
             cmd += [
                 "--spec-ngram-simple-size-n", str(s.ngram_n),
@@ -263,6 +267,13 @@ async def run_ours(
         threads=s.threads,
         prefix_cache=prefix_cache,  # llama-server here: "cache_prompt" as given
     )
+    return await run_ours_config(config, s, n, requests)
+
+
+async def run_ours_config(
+    config: EngineConfig, s: Setup, n: int, requests: list[list[int]]
+) -> tuple[BenchResult, Outputs]:
+    """Our engine as ``config`` says, under the load the server gets."""
     outputs: dict[int, list[int]] = {}
     # run_load sends request i prompt_of(s.prompts, i): requests[i], as the server got it
     result = await run_load(config, n, len(requests), s.max_tokens, s.prompts, outputs=outputs)

@@ -24,7 +24,6 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from .. import _nb_spec
 from ..logs import get_logger
 from ..session import (
     ClosedError,
@@ -37,6 +36,7 @@ from ..session.chat import ChatOptions, ChatParser, ChatTemplate, builtin_templa
 from .drafting import DrafterSync, calibrate
 from .errors import EngineDeadError, UnknownRequestError
 from .inputs import InputProcessor, Prompt
+from .native import step_plan, step_runner
 from .params import EngineConfig, SamplingParams, default_model_path
 from .planner import Plan
 from .request import CheckpointWaiter, Delta, Request, RequestOutput
@@ -130,7 +130,7 @@ class Engine:
             kv_unified=cfg.unified_kv,
         )
         self._session = SpeculativeSession.open(self._model, spec, ctx, draft_model=draft)
-        self._runner = _nb_spec.StepRunner.create(self._session.native)
+        self._runner = step_runner(self._session)
         fingerprint = self._session.fingerprint()
         with_draft = self._session.draft_context is not None
         info = self._model.info
@@ -358,7 +358,7 @@ class Engine:
                         await self._wait_for_work()
                         continue
                     cost = scheduler.policy.cost
-                    native = plan.native(cost.align, cost.align_from)
+                    native = step_plan(plan, cost.align, cost.align_from)
                     result = await runtime.wait(self._runner.step_async(native))
                     ended = self.metrics.requests_finished
                     scheduler.update(plan, result)

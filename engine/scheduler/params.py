@@ -6,7 +6,6 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .. import _nb_spec
 from ..session import InvalidConfigError, SpeculativeConfig
 from ..session.config import check, check_n_seq
 
@@ -93,7 +92,7 @@ class SamplingParams:
         )
         check(
             self.logprobs is None or (isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)),
-            f"logprobs must be an int in [0, {_nb_spec.MAX_LOGPROBS}] or None, got {self.logprobs!r}",
+            f"logprobs must be an int or None, got {self.logprobs!r}",
         )
         for name in ("skip_special_tokens", "include_stop_str_in_output"):
             check(isinstance(getattr(self, name), bool), f"{name} must be a bool")
@@ -106,32 +105,9 @@ class SamplingParams:
             ),
             "logit_bias must map token ids (int) to numbers",
         )
-        # the sampler's value rules live once, natively (InvalidConfigError naming the value)
-        _nb_spec.validate_sampler_params(self.native(0))
+        from .native import check_sampling  # (here: this module loads without the extension)
 
-    def native(self, seed: int) -> _nb_spec.SamplerParams:
-        import json
-
-        p = _nb_spec.SamplerParams()
-        p.temperature = float(self.temperature)
-        p.top_k = self.top_k
-        p.top_p = float(self.top_p)
-        p.min_p = float(self.min_p)
-        p.seed = seed
-        p.penalty_last_n = self.penalty_last_n
-        p.repetition_penalty = float(self.repetition_penalty)
-        p.presence_penalty = float(self.presence_penalty)
-        p.frequency_penalty = float(self.frequency_penalty)
-        p.ignore_eos = self.ignore_eos
-        p.grammar = self.grammar or ""
-        schema = self.json_schema
-        p.json_schema = "" if schema is None else schema if isinstance(schema, str) else json.dumps(schema)
-        p.logit_bias = [(t, float(v)) for t, v in (self.logit_bias or {}).items()]
-        p.n_logprobs = -1 if self.logprobs is None else self.logprobs
-        p.min_tokens = self.min_tokens
-        p.min_tokens_suppress = list(self.stop_token_ids)
-        p.special = not self.skip_special_tokens
-        return p
+        check_sampling(self)
 
 
 def default_model_path() -> Path:

@@ -8,7 +8,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from .. import _nb_spec
 from .drafting import DraftPolicy
 from .prefix import PrefixCache
 from .request import Request, RequestState
@@ -124,7 +123,7 @@ class WorkItem:
 @dataclass
 class Plan:
     """One step: boundary work first (settles, captures, clears, prefix reuses, restores,
-    samplers), then the work. Plain data; :meth:`native` hands it to the extension."""
+    samplers), then the work. Plain data (:func:`.native.step_plan` hands it to the extension)."""
 
     #: (slot, drafts kept) for sequences whose last verification ended inside its drafts
     settles: list[tuple[int, int]] = field(default_factory=list)
@@ -160,46 +159,6 @@ class Plan:
             id(r): r for r in (*self.captures, *preempted, *self.admitted, *(w.request for w in self.work))
         }
         return list(touched.values())
-
-    def native(self, output_align: int = 1, align_from: int = 0) -> _nb_spec.StepPlan:
-        p = _nb_spec.StepPlan()
-        p.output_align = output_align
-        p.align_from = align_from
-        p.sync_drafter = self.sync_drafter
-        for slot, n_accepted in self.settles:
-            p.settle(slot, n_accepted)
-        for r in self.captures:
-            assert r.slot is not None
-            p.capture(r.slot)
-        for slot, r in self.preempted:
-            assert r.parked is not None
-            p.capture(slot)
-            p.park(slot, r.parked)
-        for key in self.drops:
-            p.drop_parked(key)
-        for slot in self.clears:
-            p.clear(slot)
-        for slot, prefix in self.reuses:
-            p.reuse(slot, prefix)
-        for r in self.admitted:
-            assert r.slot is not None
-            if r.resume is None:  # (a reused prefix is prompt: nothing to replay)
-                p.configure(r.slot, r.sampler_params())
-                continue
-            p.restore(r.slot, r.resume.target, r.resume.draft, r.resume.spec)
-            if r.parked is not None:  # preempted: its own sampler, as it was
-                p.unpark(r.slot, r.parked)
-                continue
-            p.configure(
-                r.slot,
-                r.sampler_params(),
-                r.history[: r.n_prompt_history],
-                r.history[r.n_prompt_history :],
-            )
-        for w in self.work:
-            assert w.request.slot is not None
-            p.work(w.request.slot, w.tokens, w.pos0, w.sample, w.n_draft, w.begin, w.max_draft)
-        return p
 
 
 def plan_step(

@@ -219,13 +219,6 @@ class Request:
         if self.params.logprobs is not None:
             self.output_logprobs = []
 
-    def sampler_params(self) -> Any:
-        """The native sampler's parameters, with the chat template's grammar (tools)."""
-        p = self.params.native(self.seed)
-        if self.chat is not None:
-            p.chat = self.chat.grammar
-        return p
-
     def chat_parser(self) -> ChatParser | None:
         """A new parser of its output in the template's format (chat messages only)."""
         return ChatParser(self.chat) if self.chat is not None else None
