@@ -4,7 +4,8 @@ BENCHMARKS.md "Draft model on a real pair".
 
     pip install -e ".[bench]"
     ./benchmarks/build_reference.sh               # llama-server from the pinned tree
-    python benchmarks/draft_pair.py --repeats 3   # about 1 h on 2 cores
+    python benchmarks/draft_pair.py --streams 1,4 --repeats 3
+    python benchmarks/draft_pair.py --streams 16 --repeats 1   # (runs of other N are kept)
     python benchmarks/draft_pair.py --render      # the section from the JSON kept
 
 At each N, interleaved (one repeat = every variant once): llama-server with no drafting and
@@ -128,7 +129,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "machine": machine_info(),
         "date": datetime.date.today().isoformat(),
-        "command": "python benchmarks/draft_pair.py " + " ".join(args.argv),
+        "commands": ["python benchmarks/draft_pair.py " + " ".join(args.argv)],
         "settings": {
             "max_tokens": args.max_tokens,
             "n_draft": args.n_draft,
@@ -171,7 +172,7 @@ def render(report: dict[str, Any]) -> str:
         "Tokens/s medians of the interleaved repeats; ratios ÷ the same side's no-drafting run, "
         "paired by repeat: median [min, max].",
         "",
-        f"    {report['command']}",
+        *(f"    {c}" for c in report["commands"]),
         "",
         "| N | variant | tok/s | ÷ no drafting | drafted | accepted |",
         "|---:|---|---:|---:|---:|---:|",
@@ -195,7 +196,9 @@ def render(report: dict[str, Any]) -> str:
     one = cost["target_seconds"]["1"]
     lines += [
         "",
-        f"({len(by[(ns[0], names[0])])} repeats per row; drafted and accepted are totals over the repeats.)",
+        "Repeats per N: "
+        + ", ".join(f"{n}: {len(by[(n, names[0])])}" for n in ns)
+        + "; drafted and accepted are totals over the repeats.",
         "",
         "What a step costs here (one target decode of R rows of one sequence ÷ one row, median of 5; "
         "one draft-model token ÷ one target row):",
@@ -263,6 +266,12 @@ def main() -> None:
     args.streams = [int(x) for x in args.streams.split(",")]
     if not args.render:
         report = asyncio.run(measure(args))
+        if JSON.exists():  # keep the runs of the other N (a section measured in parts)
+            old = json.loads(JSON.read_text())
+            report["runs"] = [r for r in old["runs"] if r["n"] not in args.streams] + report["runs"]
+            report["commands"] = [c for c in old["commands"] if c not in report["commands"]] + report[
+                "commands"
+            ]
         JSON.write_text(json.dumps(report, indent=1) + "\n")
     SECTION.write_text(render(json.loads(JSON.read_text())) + "\n")
     write_benchmarks()

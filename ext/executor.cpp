@@ -142,11 +142,6 @@ std::vector<uint64_t> Executor::take_completed() {
     return out;
 }
 
-size_t Executor::queue_depth() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return queue_.size();
-}
-
 uint64_t Executor::adopt(std::shared_ptr<void> object) {
     const uint64_t id = next_object_++;
     objects_.emplace(id, std::move(object));

@@ -58,7 +58,6 @@ public:
     int wake_fd() const { return wake_fd_; }
     // Ids of notify tickets finished since the last call; also drains the eventfd.
     std::vector<uint64_t> take_completed();
-    size_t queue_depth();
 
     // --- object table: native thread only -------------------------------------------
     uint64_t adopt(std::shared_ptr<void> object);

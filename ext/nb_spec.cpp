@@ -402,7 +402,6 @@ NB_MODULE(_nb_spec, m) {
         .def_prop_ro("wake_fd", [](const Runtime & r) { return r.ex->wake_fd(); })
         .def_prop_ro("closed", [](const Runtime & r) { return r.ex->closed(); })
         .def("take_completed", [](Runtime & r) { return r.ex->take_completed(); })
-        .def("queue_depth", [](Runtime & r) { return r.ex->queue_depth(); })
         .def("ping", [](Runtime & r) { return run_sync(*r.ex, [] { return native_tid(); }); },
              "Run a no-op on the native thread; returns the kernel thread id it ran on.")
         .def("ping_async", [](Runtime & r) { return run_async(*r.ex, [] { return native_tid(); }); })
@@ -745,7 +744,6 @@ NB_MODULE(_nb_spec, m) {
         .def_ro("drafted", &StepOutput::drafted)
         .def_ro("produced", &StepOutput::produced)
         .def_ro("accepted", &StepOutput::accepted)
-        .def_ro("pos", &StepOutput::pos)
         .def_ro("in_sync", &StepOutput::in_sync)
         .def_prop_ro("logprobs", [](const StepOutput & o) {  // [(logprob, [(token, logprob, bytes)...])]
             nb::list out;
@@ -777,7 +775,6 @@ NB_MODULE(_nb_spec, m) {
         .def_ro("t_process_us", &StepResult::t_process_us)
         .def_ro("t_catch_up_us", &StepResult::t_catch_up_us)
         .def_ro("n_sync_tokens", &StepResult::n_sync_tokens)
-        .def_ro("t_verify_us", &StepResult::t_verify_us)
         .def_ro("t_total_us", &StepResult::t_total_us);
 
     nb::class_<RunnerHandle>(m, "StepRunner", "Executes engine steps over a speculative session.")

@@ -383,7 +383,6 @@ bool StepRunner::decode_and_verify(State & st, const std::vector<const StepWork 
     st.result.t_decode_us += now_us() - t0;
     st.result.n_batch_tokens += static_cast<int32_t>(batch.size());
 
-    const int64_t t1 = now_us();
     for (size_t k = 0; k < items.size(); ++k) {
         const StepWork & w = *items[k];
         if (!w.sample) continue;  // a prompt chunk with more to come
@@ -405,12 +404,10 @@ bool StepRunner::decode_and_verify(State & st, const std::vector<const StepWork 
         out.drafted = static_cast<int32_t>(d.size());
         out.produced = st.produced[w.seq];
         out.accepted = static_cast<int32_t>(out.tokens.size()) - 1;
-        out.pos = w.pos0 + n_tok;
         out.in_sync = s.in_sync(w.seq);
         unsettled_[w.seq] = Unsettled{w.pos0 + n_tok - 1, out.accepted, w.begin};
         st.result.outputs.push_back(std::move(out));
     }
-    st.result.t_verify_us += now_us() - t1;
     return true;
 }
 

@@ -91,7 +91,6 @@ struct StepOutput {
     int32_t drafted = 0;              // draft rows verified
     int32_t produced = 0;             // drafts the drafter produced (before any trim)
     int32_t accepted = 0;             // drafts verification accepted (tokens.size() - 1)
-    int32_t pos = 0;                  // position of the first token of `tokens`
     bool in_sync = true;              // the drafter can draft for the sequence (see sync_drafter)
     std::vector<TokenLogprobs> logprobs;  // per token, when its request asked for them
 };
@@ -116,7 +115,7 @@ struct StepResult {
     int32_t n_batch_tokens = 0;
     int32_t n_isolated_failures = 0;  // batches that failed and were retried one sequence at a time
     std::string draft_error;          // the draft call failed: this step verified no drafts
-    int64_t t_draft_us = 0, t_decode_us = 0, t_verify_us = 0, t_total_us = 0;
+    int64_t t_draft_us = 0, t_decode_us = 0, t_total_us = 0;
     int64_t t_process_us = 0;  // the drafter's share of t_decode_us (its own pass over the batch)
     int64_t t_catch_up_us = 0;  // a draft model decoding the history it skipped (not in t_draft_us)
     int32_t n_sync_tokens = 0;  // rows the drafter decoded to keep up (processed or caught up)

@@ -9,7 +9,7 @@ from pathlib import Path
 from engine import Engine, SamplingParams
 from engine.chat import ChatSession, Conversation
 from engine.session.checkpoint import unpack
-from tests.test_engine import config
+from tests.helpers import config
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
 

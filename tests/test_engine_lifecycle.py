@@ -15,7 +15,7 @@ from engine.scheduler.request import RequestState
 from engine.session import ClosedError, ContextConfig, SessionError, SpeculativeSession
 from tests.aio import Task, gather
 from tests.conftest import ModelCache
-from tests.test_engine import anyio_backend, assert_kv_accounted, config, wait_until  # noqa: F401 - both backends
+from tests.helpers import assert_kv_accounted, both_backends, config, wait_until  # noqa: F401 - both backends
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -17,8 +17,8 @@ from engine import Engine, EngineDeadError, RequestError, SamplingParams
 from engine.session import BadSeqIdError
 from tests.aio import Task
 from tests.conftest import ModelCache
+from tests.helpers import config, wait_until
 from tests.spec_loop import greedy_plain
-from tests.test_engine import config, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -26,8 +26,8 @@ from engine.session import (
 )
 from engine.session.checkpoint import MAGIC
 from tests.conftest import ModelCache
+from tests.helpers import assert_kv_accounted, config
 from tests.spec_loop import greedy_plain
-from tests.test_engine import assert_kv_accounted, config
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from engine import Engine, SamplingParams
-from tests.test_engine import config
+from tests.helpers import config
 
 SCRIPT = """
 import json, logging, sys

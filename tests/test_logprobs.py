@@ -13,7 +13,7 @@ from engine.scheduler.output import TokenLogprob
 from engine.session import Batch, Context, ContextConfig, InvalidConfigError, Model
 from tests.aio import gather
 from tests.conftest import ModelCache
-from tests.test_engine import PARITY, config, mixed_requests
+from tests.helpers import PARITY, config, mixed_requests
 
 pytestmark = pytest.mark.timeout(600)
 

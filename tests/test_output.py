@@ -15,8 +15,8 @@ from engine.scheduler.output import FinishReason, StopRules, TextAssembler, proc
 from engine.session.checkpoint import unpack
 from tests.aio import gather
 from tests.conftest import ModelCache
+from tests.helpers import PARITY, config
 from tests.spec_loop import greedy_plain
-from tests.test_engine import PARITY, config
 
 pytestmark = pytest.mark.timeout(600)
 

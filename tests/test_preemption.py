@@ -12,7 +12,7 @@ import pytest
 
 from engine import Engine, SamplingParams
 from tests.aio import Task
-from tests.test_engine import PARITY, assert_kv_accounted, config, wait_until
+from tests.helpers import PARITY, assert_kv_accounted, config, wait_until
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -17,8 +17,8 @@ from engine.scheduler.prefix import MIN_REUSE, PrefixCache, RadixTree, common_pr
 from engine.session import Batch, Context, ContextConfig
 from tests.aio import Task, gather
 from tests.conftest import ModelCache
+from tests.helpers import PARITY, assert_kv_accounted, config, wait_until
 from tests.models.make_models import GEMMA_SWA
-from tests.test_engine import PARITY, assert_kv_accounted, config, wait_until
 
 pytestmark = pytest.mark.timeout(600)
 

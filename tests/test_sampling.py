@@ -16,7 +16,7 @@ from engine import Engine, SamplingParams
 from engine.session import Batch, Context, ContextConfig, Model
 from tests.aio import gather
 from tests.conftest import ModelCache
-from tests.test_engine import config
+from tests.helpers import config
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine import Engine, EngineConfig, SamplingParams
 from engine.server import ServerLimits, create_app
 from tests.aio import gather
-from tests.test_engine import config, mixed_requests, wait_until
+from tests.helpers import config, mixed_requests, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -60,10 +60,6 @@ class Runtime:
         """Like :meth:`ping`, awaited without blocking the event loop."""
         return int(await self.wait(self._native.ping_async()))
 
-    def queue_depth(self) -> int:
-        """Jobs waiting for the native thread."""
-        return self._native.queue_depth()
-
     async def wait(self, ticket: Any) -> Any:
         """Await a native ticket; returns its result or raises its error.
 
