@@ -247,6 +247,8 @@ async def test_bad_requests_get_openai_errors_and_the_server_goes_on(model_paths
             ({**good, "max_tokens": -1}, 400, "max_tokens"),
             ({**good, "temperature": 3}, 400, "temperature"),
             ({**good, "logprobs": 99}, 400, "logprobs"),  # a count up to 20 (or a router's boolean)
+            ({**good, "seed": -1}, 400, "seed"),  # (SamplingParams' rules, named by the API parameter)
+            ({**good, "stop": ["", "x"]}, 400, "stop"),
             ({**good, "logit_bias": {"not-a-token": 1}}, 400, "logit_bias"),
             ({**good, "echo": True, "logprobs": 2}, 400, "echo"),  # no prompt log-probabilities
             ({**good, "regex": "[a-z]+"}, 400, "regex"),  # a router's field that cannot be honoured

@@ -153,8 +153,7 @@ class Scheduler:
             self.metrics.queue_depth = len(self.waiting)
         if r.parked is not None:  # preempted: its swapped state and parked sampler go
             self._drops.append(r.parked)  # (a no-op natively once a restore took it back)
-            self.metrics.swapped_bytes -= r.swap_bytes
-            r.parked, r.swap_bytes, r.resume = None, 0, None
+            self._release_swap(r)
         if r.slot is not None:  # (a settle decided for it still applies before the clear)
             # its KV cache holds r.history (and perhaps a step's tokens after it): kept for
             # prefix reuse unless it failed or was restored from captured state
@@ -291,6 +290,11 @@ class Scheduler:
         self.metrics.preemptions += 1
         log.debug("request.preempted", request_id=r.request_id, slot=slot, held=len(r.history))
 
+    def _release_swap(self, r: Request) -> None:
+        """``r`` holds no swapped state any more (resumed, or ended while swapped out)."""
+        self.metrics.swapped_bytes -= r.swap_bytes
+        r.parked, r.swap_bytes, r.resume = None, 0, None
+
     def _swapped_in(self, r: Request, sections: dict[str, bytes]) -> None:
         """``r``'s captured state: it waits again, to resume from it."""
         assert r.last is not None
@@ -338,8 +342,7 @@ class Scheduler:
             self.fail(victim, SessionError("the preempted request's state could not be captured"))
         for r in plan.admitted:
             if r.parked is not None and r.slot is not None:  # swapped in: its state is back
-                self.metrics.swapped_bytes -= r.swap_bytes
-                r.parked, r.swap_bytes, r.resume = None, 0, None
+                self._release_swap(r)
         for err in result.errors:
             r = self.slots.owner.get(err.seq)
             if r is None and self.slots.forget(err.seq):  # a cached slot whose KV is gone

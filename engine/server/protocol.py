@@ -32,7 +32,7 @@ from pydantic import (
 from ..logs import get_logger
 from ..scheduler import RequestMetrics, SamplingParams
 from ..scheduler.output import TokenLogprob
-from ..session import ChatMessage, ChatOptions, InvalidArgumentError, ToolCallDelta
+from ..session import ChatMessage, ChatOptions, InvalidArgumentError, InvalidConfigError, ToolCallDelta
 
 __all__ = [
     "ApiCall",
@@ -435,32 +435,34 @@ def engine_call(
         if not key.isdigit() or int(key) >= n_vocab:
             raise ProtocolError(f"logit_bias key {key!r} is not a token id in [0, {n_vocab})", "logit_bias")
         bias[int(key)] = -math.inf if value <= -100 else float(value)
-    if body.seed is not None and not 0 <= body.seed < 2**32:
-        raise ProtocolError("seed must be in [0, 2**32)", "seed")
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-    if any(not s for s in stop):
-        raise ProtocolError("stop strings must not be empty", "stop")
-    params = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=1.0 if body.temperature is None else float(body.temperature),
-        top_p=1.0 if body.top_p is None else float(body.top_p),
-        top_k=max(body.top_k or 0, 0),
-        min_p=float(body.min_p or 0.0),
-        seed=body.seed,
-        presence_penalty=float(body.presence_penalty or 0.0),
-        frequency_penalty=float(body.frequency_penalty or 0.0),
-        repetition_penalty=float(body.repetition_penalty or 1.0),
-        stop=stop,
-        stop_token_ids=tuple(body.stop_token_ids or ()),
-        ignore_eos=bool(body.ignore_eos),
-        grammar=grammar,
-        json_schema=schema,
-        logit_bias=bias or None,
-        logprobs=logprobs,
-        min_tokens=body.min_tokens or 0,
-        skip_special_tokens=body.skip_special_tokens is not False,
-        include_stop_str_in_output=bool(body.include_stop_str_in_output or body.no_stop_trim),
-    )
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else float(body.temperature),
+            top_p=1.0 if body.top_p is None else float(body.top_p),
+            top_k=max(body.top_k or 0, 0),
+            min_p=float(body.min_p or 0.0),
+            seed=body.seed,
+            presence_penalty=float(body.presence_penalty or 0.0),
+            frequency_penalty=float(body.frequency_penalty or 0.0),
+            repetition_penalty=float(body.repetition_penalty or 1.0),
+            stop=stop,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=bool(body.ignore_eos),
+            grammar=grammar,
+            json_schema=schema,
+            logit_bias=bias or None,
+            logprobs=logprobs,
+            min_tokens=body.min_tokens or 0,
+            skip_special_tokens=body.skip_special_tokens is not False,
+            include_stop_str_in_output=bool(body.include_stop_str_in_output or body.no_stop_trim),
+        )
+    except InvalidConfigError as e:  # (SamplingParams' rules, naming the value: its API parameter)
+        word = str(e).split(" ", 1)[0]
+        raise ProtocolError(
+            str(e), word if word in type(body).model_fields else None, code="invalid_value"
+        ) from e
     return ApiCall(body, params, prompts, chat)
 
 
