@@ -196,11 +196,15 @@ def render(report: dict[str, Any]) -> str:
         idle = by.get((n, "ours, adaptive"), [])
         if idle and not sum(r["drafted"] for r in idle):
             off = [r["tokens_per_s"] for r in by[(n, "ours, no drafting")]]
+            noise = (
+                f": the no-drafting runs alone went from {min(off):.2f} to {max(off):.2f} tok/s"
+                if len(off) > 1
+                else ""
+            )
             lines += [
                 "",
                 f"At N = {n} the adaptive policy drafted nothing: its ratio is speculation's idle cost "
-                f"(a draft model loaded, the policy pricing every step) plus this machine's noise: "
-                f"the no-drafting runs alone went from {min(off):.2f} to {max(off):.2f} tok/s.",
+                f"(a draft model loaded, the policy pricing every step) plus this machine's noise{noise}.",
             ]
     cost = report["cost"]
     one = cost["target_seconds"]["1"]
