@@ -4,6 +4,7 @@ lengths out (no native call)."""
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
 
 from engine.scheduler.drafting import DrafterSync, Drafting, DraftPolicy, DraftStats, StepCost, Tuning
 from engine.scheduler.drafting.policy import _Price
@@ -289,6 +290,43 @@ def test_an_ngram_drafter_asks_every_sequence_while_its_rows_pay() -> None:
     for _ in range(100):
         bad.engine.record(8, 8, 2)  # (2 of 8 right)
     assert bad.lengths(seqs[:2]) == [0, 2]
+
+
+def test_drafting_every_match_is_priced_by_what_its_steps_delivered() -> None:
+    """The engine's rates come from the drafts the policy chose; drafting every match applies
+    them to every sequence. When its steps bring fewer accepted tokens in more seconds than
+    priced, the price follows and every sequence stops asking; as that evidence ages, the
+    price is tried again."""
+    cost = linear_cost(0.010, 0.004)
+    policy = DraftPolicy(cost=cost, every_match=True)
+    for i in range(100):
+        policy.engine.record(8, 8 if i % 3 == 0 else 0, 7 if i % 3 == 0 else 0)  # (7 of 8 right)
+    seqs = [Drafting(DraftStats(), 8) for _ in range(4)]
+    assert policy.lengths(seqs) == [8, 8, 8, 8]
+    taken = policy._taken
+    assert taken is not None and taken[0] is policy._realized
+    for _ in range(10):  # each step: half the tokens priced, in twice the time
+        policy.lengths(seqs)
+        outputs = [SimpleNamespace(seq=i, drafted=8, produced=8, accepted=2) for i in range(4)]
+        result = SimpleNamespace(
+            outputs=outputs,
+            n_decode_calls=1,
+            n_batch_tokens=36,
+            t_decode_us=2e6 * taken[2],
+            t_process_us=0,
+            t_draft_us=0,
+            n_sync_tokens=0,
+            t_catch_up_us=0,
+        )
+        policy._matching.clear()  # (priced again at once, as after a rejected draft)
+        policy.observe([], result)
+    policy._matching.clear()
+    policy.lengths(seqs)
+    assert policy._taken is None or policy._taken[0] is not policy._realized  # (every match: no longer)
+    for _ in range(200):  # priced again and again without a step: the evidence fades
+        policy._matching.clear()
+        policy._every_match_pays(4, 8)
+    assert policy.lengths(seqs) == [8, 8, 8, 8]
 
 
 def test_an_ngram_drafter_drafts_long_matches_where_one_row_costs_more_than_its_share() -> None:
