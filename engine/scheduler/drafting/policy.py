@@ -24,7 +24,9 @@ where
   is worth what its rows bring.
 
 Drafting nothing for the whole batch is one of the choices: when drafts cannot pay for
-their rows, a step costs exactly what it costs without speculation. A request whose
+their rows, a step costs exactly what it costs without speculation. Every price is checked
+against what the steps taken on it delivered (accepted tokens and seconds), and scaled by
+that: estimates learned from the drafts the policy chose err on the drafts it did not. A request whose
 drafts stopped paying still probes with one token now and then (when a right draft could
 pay at all), so it drafts again when its acceptance rises.
 
