@@ -96,12 +96,12 @@ def test_slot_table_keeps_finished_sequences_cached_and_never_evicts_a_running_o
 
     slots = SlotTable(2, prefix_cache=True)
     a, b, c = (make(x, RequestState.WAITING) for x in "abc")
-    assert slots.allocate(a, [1, 2, 3]) == (0, 0, False)
-    assert slots.allocate(b, [4, 5, 6]) == (1, 0, False)
+    assert slots.allocate(a, [1, 2, 3]) == (0, 0, False, True)
+    assert slots.allocate(b, [4, 5, 6]) == (1, 0, False, True)
     assert slots.allocate(c, [1, 2, 3]) is None  # both running
     assert slots.release(0, holds=[1, 2, 3, 10, 11]) is False  # cached, not cleared
     assert slots.n_free == 1
-    assert slots.allocate(c, [1, 2, 3, 12]) == (0, 3, True)
+    assert slots.allocate(c, [1, 2, 3, 12]) == (0, 3, True, True)
     assert slots.release(1, holds=[4, 5]) is False
     assert slots.forget(1) and slots.n_free == 1 and slots.cache is not None and len(slots.cache) == 0
     assert not slots.forget(1)

@@ -97,10 +97,10 @@ def test_no_drafts_without_speculation() -> None:
 def test_slot_table_and_priority_queue() -> None:
     slots = SlotTable(2)
     a, b, c = (make(x, RequestState.WAITING) for x in "abc")
-    assert slots.allocate(a) == (0, 0, False) and slots.allocate(b) == (1, 0, False)
+    assert slots.allocate(a) == (0, 0, False, True) and slots.allocate(b) == (1, 0, False, True)
     assert slots.allocate(c) is None
     assert slots.release(0, holds=[1, 2, 3])  # no prefix cache: empty, to be cleared
-    assert slots.n_free == 1 and slots.allocate(c) == (0, 0, False)
+    assert slots.n_free == 1 and slots.allocate(c) == (0, 0, False, True)
     q = WaitQueue()
     for r in (
         make("x", RequestState.WAITING, arrival=0),
@@ -129,3 +129,20 @@ def test_text_assembler_holds_back_split_characters_and_stop_strings() -> None:
     assert u.take() == "日!"
     u.feed(b"\xff")  # not UTF-8 at all: replaced, not stalled
     assert u.take(final=True) == "\ufffd"
+
+
+def test_a_prefix_the_drafter_missed_is_reused_without_drafting() -> None:
+    """A stream drafter fed nothing while its gate was closed: a request that reuses what it
+    missed cannot draft (its prompt steps must not feed the drafter, nor keep its gate open);
+    a slot cleared for a new prompt is whole again."""
+    slots = SlotTable(2, prefix_cache=True)
+    old = make("old", RequestState.DECODE)
+    grant = slots.allocate(old)
+    assert grant is not None
+    slots.release(grant.slot, [5] * 40, drafter_in_sync=False)
+    reuse = slots.allocate(make("new", RequestState.WAITING), [5] * 40 + [6])
+    assert reuse is not None and reuse.keep == 40 and not reuse.drafter_in_sync
+    slots.release(reuse.slot, [5] * 40, drafter_in_sync=False)
+    slots.allocate(make("x", RequestState.WAITING), [9] * 50)  # (takes the empty slot)
+    evicted = slots.allocate(make("y", RequestState.WAITING), [7] * 50)
+    assert evicted is not None and evicted.cached and evicted.keep == 0 and evicted.drafter_in_sync

@@ -21,6 +21,9 @@ class Grant(NamedTuple):
     slot: int
     keep: int  #: tokens of the request's prompt the slot's KV cache already holds
     cached: bool  #: the slot held a cached sequence (cut back to ``keep``, or cleared when 0)
+    #: the drafter holds the kept prefix (a stream drafter fed nothing while the gate was
+    #: closed: a request reusing what it missed cannot draft)
+    drafter_in_sync: bool = True
 
 
 class SlotTable:
@@ -32,13 +35,16 @@ class SlotTable:
         self.n_seq = n_seq
         self.owner: dict[int, Request] = {}
         self.cache = PrefixCache() if prefix_cache else None
+        self._out_of_sync: set[int] = set()  # cached slots whose drafter missed some of them
 
     def allocate(self, request: Request, prompt: Sequence[int] = ()) -> Grant | None:
         """A slot for ``request``: the cached one holding the longest prefix of ``prompt``
         when it saves enough, else an empty one, else the least recently used cached one."""
         taken = self.cache.take(prompt, have_empty=bool(self._free)) if self.cache is not None else None
         if taken is not None:
-            grant = Grant(taken[0], taken[1], True)
+            in_sync = taken[0] not in self._out_of_sync or not taken[1]  # (kept nothing: cleared)
+            self._out_of_sync.discard(taken[0])
+            grant = Grant(taken[0], taken[1], True, in_sync)
         elif self._free:
             grant = Grant(heapq.heappop(self._free), 0, False)
         else:
@@ -46,12 +52,14 @@ class SlotTable:
         self.owner[grant.slot] = request
         return grant
 
-    def release(self, slot: int, holds: Sequence[int] = ()) -> bool:
+    def release(self, slot: int, holds: Sequence[int] = (), drafter_in_sync: bool = True) -> bool:
         """Give ``slot`` back. With ``holds`` (the tokens its KV cache holds) and prefix reuse
         on, it stays cached; else it is empty. Returns whether it must be cleared."""
         del self.owner[slot]
         if holds and self.cache is not None:
             self.cache.put(slot, holds)
+            if not drafter_in_sync:
+                self._out_of_sync.add(slot)
             return False
         heapq.heappush(self._free, slot)
         return True
@@ -62,6 +70,7 @@ class SlotTable:
         if self.cache is None or slot not in self.cache:
             return False
         self.cache.pop(slot)
+        self._out_of_sync.discard(slot)
         heapq.heappush(self._free, slot)
         return True
 

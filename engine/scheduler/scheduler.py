@@ -158,7 +158,7 @@ class Scheduler:
             # its KV cache holds r.history (and perhaps a step's tokens after it): kept for
             # prefix reuse unless it failed or was restored from captured state
             keep = r.history if r.cacheable and reason != FinishReason.ERROR.value else ()
-            if self.slots.release(r.slot, keep):
+            if self.slots.release(r.slot, keep, r.drafter_in_sync):
                 self._to_clear.append(r.slot)
             r.slot = None
         r.finish(reason, error)
@@ -202,6 +202,7 @@ class Scheduler:
             r.restored = r.restored or r.resume is not None
             if grant.keep:
                 plan.reuses.append((grant.slot, r.to_prefill[: grant.keep]))
+                r.drafter_in_sync = r.drafter_in_sync and grant.drafter_in_sync
                 r.history = r.to_prefill[: grant.keep]
                 del r.to_prefill[: grant.keep]
                 r.metrics.cached_tokens = grant.keep
@@ -282,7 +283,7 @@ class Scheduler:
         r.parked = r.arrival_index  # unique per engine
         plan.preempted.append((slot, r))
         # the slot's KV cache holds r.history after the capture: a prefix another may reuse
-        if self.slots.release(slot, r.history if r.cacheable else ()):
+        if self.slots.release(slot, r.history if r.cacheable else (), r.drafter_in_sync):
             self._to_clear.append(slot)
         r.slot = None
         r.state = RequestState.SWAPPING
