@@ -265,7 +265,7 @@ async def closed_loop(
                 return
             want = -(-max_tokens * (k + 1) // n_streams) if ramp else max_tokens
             t0 = time.perf_counter()
-            bursts: list[list[float]] = []  # [time, tokens]: arrivals < 2 ms apart are one
+            bursts: list[list[float]] = []  # [time, tokens]: arrivals within BURST_S are one
             async for ids in send(i, want):
                 now = time.perf_counter()
                 if ids:

@@ -78,8 +78,8 @@ TokenLogprobs token_logprobs(const Model & model, const float * logits, llama_to
 void validate_sampler_params(const SamplerParams & params);
 
 // One sequence's sampler: llama.cpp's sampler chain, or plain argmax for greedy requests
-// without penalties or grammar (the chain's full-vocabulary candidate array costs ~5x more
-// on a 262k vocabulary and gives the same token).
+// without penalties or grammar (the chain's full-vocabulary candidate array costs several times
+// more on a large vocabulary and gives the same token).
 class SequenceSampler {
 public:
     // InvalidConfig for bad values, InvalidArgument for a malformed grammar or JSON schema.

@@ -206,7 +206,7 @@ void StepRunner::select_work(State & st) {
         }
     }
     // llama.cpp splits a multi-stream batch into one micro-batch per run of ascending
-    // sequence ids: out-of-order sequences cost a full forward pass each (3x slower at 4)
+    // sequence ids: out-of-order sequences cost a full forward pass each
     std::stable_sort(st.work.begin(), st.work.end(),
                      [](const StepWork * a, const StepWork * b) { return a->seq < b->seq; });
 }

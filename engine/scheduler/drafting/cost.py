@@ -130,8 +130,7 @@ class StepCost:
     #: observed ÷ calibrated, by rows on a log2 grid (1, 2, 4, ... 1024 rows, interpolated),
     #: recent steps weighing more: what the calibration (short histories, an idle machine)
     #: does not see, such as attention over long histories, which weighs more on some batch
-    #: sizes than on others (one factor for every size made 16 rows look 18 % dearer than
-    #: they were, and drafts with them)
+    #: sizes than on others (so one factor for every size would misprice some of them)
     grid: list[float] = field(default_factory=lambda: [1.0] * 11)
     #: how much each grid point has seen: the steps that moved it, weighed by their reach
     evidence: list[float] = field(default_factory=lambda: [0.0] * 11)

@@ -100,8 +100,7 @@ class _Realized:
     """What the steps taken on a price brought against what it predicted: accepted tokens and
     seconds, as decayed sums. The engine's rates are learned from the drafts the policy chose,
     a selected sample; drafting every match applies them to every sequence, including those
-    the choice would have left out, whose drafts are longer and accepted less (measured: 1.7x
-    the rows predicted, 64 % accepted per row where 84 % was). A price is scaled by what the
+    the choice would have left out, whose drafts are longer and accepted less. A price is scaled by what the
     steps it chose delivered; the evidence fades as it ages, so a price that stopped paying is
     tried again once the drafts may have changed."""
 
@@ -337,8 +336,7 @@ class DraftPolicy:
             return [0] * len(seqs)
         n = len(seqs)
         # (priced at the longest draft allowed so far, not at this step's: a request's cap
-        # shrinks by one each step near its end, and a price per cap ran the pricing on 72 %
-        # of the steps at one stream, 80 us of Python on a 1.5 ms step of a tiny target)
+        # shrinks by one each step near its end, and a price per cap would price most steps)
         if self.every_match and not self.uniform and self._every_match_pays(n, self.k_cap):
             price = self._matching[n, self.k_cap]
             self._idle, self._taken = None, (self._realized, price.gain, price.seconds)
@@ -360,10 +358,8 @@ class DraftPolicy:
         return ks
 
     def _optimise(self, seqs: Sequence[Drafting]) -> list[int]:
-        # (runs on the event loop between two target decodes: 16 sequences of 16 positions
-        # are 256 candidates, searched with array operations, not a loop: as a loop they
-        # took 0.7 ms, a tenth of a tiny model's step; as arrays 0.1 ms, 0.3-0.4 ms between
-        # two decodes, whose caches are cold for it)
+        # (runs on the event loop between two target decodes: the candidates are searched
+        # with array operations, not a loop, which would cost a tiny model's step a tenth)
         if not any(s.max_k for s in seqs):
             return [0] * len(seqs)
         prod, acc = self._rates(seqs)
@@ -394,28 +390,20 @@ class DraftPolicy:
         more tokens per second than none do: every sequence then asks for its longest draft
         (asking costs nothing; rows appear only where the n-gram matches). Matches come in
         episodes, not per request: a request's own rates, after one rejected draft, kept it
-        from asking when its next match came (Gemma 3 270M, mixed prompts, 4 streams: 76 %
-        of drafts accepted against 88 % when every sequence asked; 1.28x off against 1.11x,
-        medians of 3 interleaved repeats).
+        from asking when its next match came (BENCHMARKS.md, "Speculation: notes on the runs").
 
         Priced from the engine's drafts: how often a sequence's n-gram matches, how long a
         draft it then makes, how much of it is accepted; the step time is the measured curve
         averaged over how many sequences match at once (binomially). Not a price per row:
-        where one row with logits costs far less than two (Gemma 3 270M on a 2-core AMD EPYC:
-        9.4 ms for one row, 21 for two, 36 for eight), a long draft pays when a one-token one
-        never could, and pricing every row at the second one's cost kept speculation off at
-        one stream on copy-heavy prompts."""
+        where one row with logits costs far less than two, a long draft pays when a
+        one-token one never could."""
         # (priced again once every sequence asked about 8 times since, and 32 verifications
-        # at least: the engine's rates move by a few percent in that time, and pricing costs
-        # 20-40 us, 0.3 ms between two decodes, a step of a tiny model 1-4 ms. While no
-        # n-gram has matched since, the rates have only decayed towards no match, and asking
-        # costs no rows: the price stands ``unmatched_life`` times as long. A drafter with
-        # nothing to draft at 4 streams was priced on 17 % of the steps, 53 us of Python a
-        # step of 3.7 ms. Once the target rejected a draft since, the price stands for one
-        # step: a drafter whose drafts turn bad pays rows for each step it keeps asking.
-        # ngram-cache on copy-heavy prompts, Gemma 3 270M, one stream: its first five
-        # drafts were accepted in full, the next 25 (49 ms steps against 11) about one
-        # token each, 0.88x of speculation off)
+        # at least: the engine's rates move little in that time, and pricing costs a fair
+        # share of a tiny model's step. While no n-gram has matched since, the rates have
+        # only decayed towards no match, and asking costs no rows: the price stands
+        # ``unmatched_life`` times as long. Once the target rejected a draft since, the price
+        # stands for one step: a drafter whose drafts turn bad pays rows for each step it
+        # keeps asking.)
         e, version = self.engine, self.engine.version
         known = self._matching.get((n, k))
         if known is not None:
