@@ -6,37 +6,40 @@ the low-level, synchronous speculative session lives in :mod:`engine.session`.
 
 from __future__ import annotations
 
-from . import session
-from .scheduler import (
-    Delta,
-    Engine,
-    EngineConfig,
-    EngineDeadError,
-    EngineMetrics,
-    FinishReason,
-    QueueFullError,
-    RequestError,
-    RequestMetrics,
-    RequestOutput,
-    SamplingParams,
-    UnknownRequestError,
-    engine_speculative,
-)
-from .session import (
-    Batch,
-    ChatMessage,
-    ChatOptions,
-    ChatTemplate,
-    Context,
-    ContextConfig,
-    Model,
-    Runtime,
-    SessionError,
-    SpeculativeConfig,
-    SpeculativeSession,
-    ToolCall,
-    ToolCallDelta,
-)
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from . import session
+    from .scheduler import (
+        Delta,
+        Engine,
+        EngineConfig,
+        EngineDeadError,
+        EngineMetrics,
+        FinishReason,
+        QueueFullError,
+        RequestError,
+        RequestMetrics,
+        RequestOutput,
+        SamplingParams,
+        UnknownRequestError,
+        engine_speculative,
+    )
+    from .session import (
+        Batch,
+        ChatMessage,
+        ChatOptions,
+        ChatTemplate,
+        Context,
+        ContextConfig,
+        Model,
+        Runtime,
+        SessionError,
+        SpeculativeConfig,
+        SpeculativeSession,
+        ToolCall,
+        ToolCallDelta,
+    )
 
 __all__ = [
     "Batch",
@@ -67,3 +70,49 @@ __all__ = [
     "engine_speculative",
     "session",
 ]
+
+
+# Names resolve on first use, so that importing a pure module (the scheduler's planner, the
+# drafting subsystem) does not load the native extension.
+_WHERE = {
+    "Delta": "scheduler",
+    "Engine": "scheduler",
+    "EngineConfig": "scheduler",
+    "EngineDeadError": "scheduler",
+    "EngineMetrics": "scheduler",
+    "FinishReason": "scheduler",
+    "QueueFullError": "scheduler",
+    "RequestError": "scheduler",
+    "RequestMetrics": "scheduler",
+    "RequestOutput": "scheduler",
+    "SamplingParams": "scheduler",
+    "UnknownRequestError": "scheduler",
+    "engine_speculative": "scheduler",
+    "Batch": "session",
+    "ChatMessage": "session",
+    "ChatOptions": "session",
+    "ChatTemplate": "session",
+    "Context": "session",
+    "ContextConfig": "session",
+    "Model": "session",
+    "Runtime": "session",
+    "SessionError": "session",
+    "SpeculativeConfig": "session",
+    "SpeculativeSession": "session",
+    "ToolCall": "session",
+    "ToolCallDelta": "session",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "session":
+        from . import session
+
+        return session
+    if name in _WHERE:
+        from importlib import import_module
+
+        value = getattr(import_module(f".{_WHERE[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

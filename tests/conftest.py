@@ -6,11 +6,14 @@ import inspect
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
-from engine.session import Model, Runtime
 from tests.models.make_models import build_all
+
+if TYPE_CHECKING:  # the pure tests run without the extension (test_pure.py)
+    from engine.session import Model, Runtime
 
 MODELS_DIR = Path(__file__).parent / "models" / ".generated"
 
@@ -36,6 +39,8 @@ def model_paths() -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def runtime() -> Iterator[Runtime]:
+    from engine.session import Runtime
+
     rt = Runtime()
     yield rt
     rt.close()
@@ -52,6 +57,8 @@ class ModelCache:
     def __call__(self, name: str, *, mtp: bool = False) -> Model:
         key = (name, mtp)
         if key not in self._loaded:
+            from engine.session import Model
+
             self._loaded[key] = Model.load(self.runtime, self.paths[name], mtp=mtp)
         return self._loaded[key]
 

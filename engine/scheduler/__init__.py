@@ -8,12 +8,15 @@ public API and the step loop), ``policy`` (how much to draft).
 
 from __future__ import annotations
 
-from .engine import Engine
-from .errors import EngineDeadError, QueueFullError, RequestError, UnknownRequestError
-from .output import FinishReason
-from .params import EngineConfig, SamplingParams, engine_speculative
-from .request import Delta, RequestMetrics, RequestOutput
-from .scheduler import EngineMetrics
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .errors import EngineDeadError, QueueFullError, RequestError, UnknownRequestError
+    from .output import FinishReason
+    from .params import EngineConfig, SamplingParams, engine_speculative
+    from .request import Delta, RequestMetrics, RequestOutput
+    from .scheduler import EngineMetrics
 
 __all__ = [
     "Delta",
@@ -30,3 +33,32 @@ __all__ = [
     "UnknownRequestError",
     "engine_speculative",
 ]
+
+
+# Names resolve on first use: the planner, the params and the drafting subsystem import
+# without the native extension, which only the engine loop and its step need.
+_WHERE = {
+    "Engine": "engine",
+    "EngineDeadError": "errors",
+    "QueueFullError": "errors",
+    "RequestError": "errors",
+    "UnknownRequestError": "errors",
+    "FinishReason": "output",
+    "EngineConfig": "params",
+    "SamplingParams": "params",
+    "engine_speculative": "params",
+    "Delta": "request",
+    "RequestMetrics": "request",
+    "RequestOutput": "request",
+    "EngineMetrics": "scheduler",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        from importlib import import_module
+
+        value = getattr(import_module(f".{_WHERE[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -33,7 +33,8 @@ from ..session import (
     SpeculativeSession,
 )
 from ..session.chat import ChatOptions, ChatParser, ChatTemplate, builtin_template
-from .drafting import DrafterSync, calibrate
+from .drafting import DrafterSync
+from .drafting.calibration import calibrate
 from .errors import EngineDeadError, UnknownRequestError
 from .inputs import InputProcessor, Prompt
 from .native import step_plan, step_runner

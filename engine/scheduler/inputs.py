@@ -13,13 +13,16 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Any, TypeGuard
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from ..session import InvalidArgumentError, Model, PromptTooLongError
-from ..session.chat import ChatOptions, ChatPrompt, ChatTemplate
+from ..session.chat import ChatOptions, ChatTemplate
 from .checkpoints import unpack_resume
 from .params import SamplingParams
 from .request import Request
+
+if TYPE_CHECKING:
+    from ..session.chat import ChatPrompt
 
 __all__ = ["InputProcessor", "Prompt"]
 

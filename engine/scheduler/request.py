@@ -5,16 +5,19 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from ..session.chat import ChatMessage, ChatParser, ChatPrompt, ToolCallDelta
+from ..session.chat import ChatMessage, ChatParser, ToolCallDelta
 from .drafting.stats import DraftStats
 from .errors import UnknownRequestError
 from .output import FinishReason, TextAssembler, TokenLogprob
 from .params import SamplingParams
+
+if TYPE_CHECKING:
+    from ..session.chat import ChatPrompt
 
 __all__ = [
     "CheckpointWaiter",

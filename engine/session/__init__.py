@@ -6,14 +6,18 @@ scheduler (``engine.scheduler``) builds the async engine on top.
 
 from __future__ import annotations
 
-from .chat import ChatMessage, ChatOptions, ChatParser, ChatTemplate, ToolCall, ToolCallDelta
-from .checkpoint import SequenceCheckpoint
-from .config import SPEC_TYPES, ContextConfig, SpeculativeConfig, canonical_spec_type
+from typing import TYPE_CHECKING, Any
+
 from .errors import *  # noqa: F403
 from .errors import __all__ as _errors_all
-from .model import STATE_SEQ_FLAGS_PARTIAL_ONLY, Batch, Context, Model, ModelInfo
-from .runtime import Runtime
-from .session import SpecStats, SpeculativeSession
+
+if TYPE_CHECKING:
+    from .chat import ChatMessage, ChatOptions, ChatParser, ChatTemplate, ToolCall, ToolCallDelta
+    from .checkpoint import SequenceCheckpoint
+    from .config import SPEC_TYPES, ContextConfig, SpeculativeConfig, canonical_spec_type
+    from .model import STATE_SEQ_FLAGS_PARTIAL_ONLY, Batch, Context, Model, ModelInfo
+    from .runtime import Runtime
+    from .session import SpecStats, SpeculativeSession
 
 __all__ = [
     "SPEC_TYPES",
@@ -37,3 +41,38 @@ __all__ = [
     "canonical_spec_type",
     *_errors_all,
 ]
+
+
+# Names resolve on first use: the pure modules (errors, messages, configuration rules) import
+# without the native extension.
+_WHERE = {
+    "ChatMessage": "chat",
+    "ChatOptions": "chat",
+    "ChatParser": "chat",
+    "ChatTemplate": "chat",
+    "ToolCall": "chat",
+    "ToolCallDelta": "chat",
+    "SequenceCheckpoint": "checkpoint",
+    "SPEC_TYPES": "config",
+    "ContextConfig": "config",
+    "SpeculativeConfig": "config",
+    "canonical_spec_type": "config",
+    "STATE_SEQ_FLAGS_PARTIAL_ONLY": "model",
+    "Batch": "model",
+    "Context": "model",
+    "Model": "model",
+    "ModelInfo": "model",
+    "Runtime": "runtime",
+    "SpecStats": "session",
+    "SpeculativeSession": "session",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        from importlib import import_module
+
+        value = getattr(import_module(f".{_WHERE[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,11 +14,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .. import _nb_spec
 from .errors import InvalidArgumentError
 
 if TYPE_CHECKING:
+    from .. import _nb_spec
     from .model import Model
+
+    ChatPrompt = _nb_spec.ChatPrompt
 
 __all__ = [
     "ChatMessage",
@@ -31,7 +33,14 @@ __all__ = [
     "builtin_template",
 ]
 
-ChatPrompt = _nb_spec.ChatPrompt
+
+def __getattr__(name: str) -> Any:
+    if name == "ChatPrompt":  # the extension's type, loaded with the extension
+        from .. import _nb_spec
+
+        return _nb_spec.ChatPrompt
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 #: llama.cpp built-in renderers for GGUF files without a template of their own, by architecture
 _BUILTIN_TEMPLATES = (("gemma", "gemma"), ("llama", "llama3"), ("qwen", "chatml"))
@@ -136,6 +145,8 @@ class ChatTemplate:
     """
 
     def __init__(self, model: Model, override: str | None = None) -> None:
+        from .. import _nb_spec
+
         self.model = model
         self.native = _nb_spec.ChatTemplate.create(
             model.native, override or "", builtin_template(model.info.arch)
@@ -174,6 +185,8 @@ class ChatTemplate:
         items = list(messages) if isinstance(messages, Sequence) and not isinstance(messages, str) else None
         if not items:
             raise InvalidArgumentError("messages must be a non-empty list of dicts", reason="no messages")
+        from .. import _nb_spec
+
         inputs = _nb_spec.ChatInputs()
         try:
             inputs.messages = json.dumps([_clean_message(i, m) for i, m in enumerate(items)])
@@ -223,6 +236,8 @@ class ChatParser:
     message (``(reasoning, content, tool_call_deltas)``); ``final=True`` at the end."""
 
     def __init__(self, prompt: ChatPrompt) -> None:
+        from .. import _nb_spec
+
         self._native = _nb_spec.ChatParser(prompt)
 
     def update(self, text: str, final: bool = False) -> tuple[str, str, list[ToolCallDelta]]:

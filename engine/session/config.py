@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from .. import _nb_spec
 from .errors import InvalidConfigError
+
+if TYPE_CHECKING:
+    from .. import _nb_spec
+
+    #: upstream speculative type names (from the native core)
+    SPEC_TYPES: tuple[str, ...]
 
 __all__ = [
     "SPEC_TYPES",
@@ -15,8 +22,7 @@ __all__ = [
     "canonical_spec_type",
 ]
 
-#: upstream speculative type names (from the native core), and the short names we also accept
-SPEC_TYPES: tuple[str, ...] = tuple(_nb_spec.SPEC_TYPES)
+#: the short names we accept for upstream's speculative type names
 _ALIASES = {
     "draft": "draft-simple",
     "eagle3": "draft-eagle3",
@@ -27,14 +33,29 @@ _ALIASES = {
 }
 
 
+@functools.cache
+def _spec_types() -> tuple[str, ...]:
+    """Upstream's speculative type names, from the native core (loaded on first use, so that
+    this module imports without the extension)."""
+    from .. import _nb_spec
+
+    return tuple(_nb_spec.SPEC_TYPES)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "SPEC_TYPES":
+        return _spec_types()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def canonical_spec_type(name: str) -> str:
     """Map a speculative type name or alias (``eagle3``, ``mtp``...) to upstream's name.
 
     :raises InvalidConfigError: for an unknown name.
     """
     t = _ALIASES.get(name, name)
-    if t not in SPEC_TYPES:
-        known = ", ".join(SPEC_TYPES + tuple(_ALIASES))
+    if t not in _spec_types():
+        known = ", ".join(_spec_types() + tuple(_ALIASES))
         raise InvalidConfigError(
             f"unknown speculative type {name!r} (known: {known})", reason="unknown speculative type"
         )
@@ -131,10 +152,14 @@ class SpeculativeConfig:
             isinstance(self.p_min, (int, float)) and not math.isnan(self.p_min),
             "p_min must be a number",
         )
+        from .. import _nb_spec
+
         # one set of rules: the native validator (InvalidConfigError with the reason)
         _nb_spec.validate_spec_config(self.native())
 
     def native(self) -> _nb_spec.SpecConfig:
+        from .. import _nb_spec
+
         c = _nb_spec.SpecConfig()
         c.type = self.type
         c.n_seq = self.n_seq
@@ -150,6 +175,8 @@ class SpeculativeConfig:
     @property
     def needs_draft_model(self) -> bool:
         """A separate draft model file is needed (draft-simple, EAGLE-3, DFlash, DSpark)."""
+        from .. import _nb_spec
+
         return bool(_nb_spec.spec_type_needs_draft_model(self.type))
 
     def check_draft_model(self, given: bool) -> None:
@@ -165,15 +192,19 @@ class SpeculativeConfig:
 
     def digest(self) -> int:
         """What state taken under this config is valid for: a digest of every field."""
+        from .. import _nb_spec
+
         return int(_nb_spec.spec_config_digest(self.native()))
 
     @staticmethod
     def describe_types() -> str:
         """The speculative types and what each needs, for help texts."""
+        from .. import _nb_spec
+
         short = {v: k for k, v in _ALIASES.items()}
         needs = _nb_spec.spec_type_needs_draft_model
-        alone = [short.get(t, t) for t in SPEC_TYPES if t != "draft-mtp" and not needs(t)]
-        drafted = [short.get(t, t) for t in SPEC_TYPES if needs(t)]
+        alone = [short.get(t, t) for t in _spec_types() if t != "draft-mtp" and not needs(t)]
+        drafted = [short.get(t, t) for t in _spec_types() if needs(t)]
         return (
             f"{', '.join(alone)} (no draft model); {', '.join(drafted)} (need a draft model); "
             "mtp (models with NextN layers)"

@@ -8,11 +8,11 @@ The scheduler calls :class:`DraftPolicy` three times a step: :meth:`~DraftPolicy
 - :mod:`.policy`: the choice (expected tokens per second of the step), probes, the gate of a
   drafter that must read every batch;
 - :mod:`.cost`: :class:`StepCost`, what a step costs on this machine;
-- :mod:`.calibration`: measuring it at start;
+- :mod:`.calibration`: measuring it at start (on the native session; imported by the engine
+  loop, so that the rest imports without the extension);
 - :mod:`.stats`: :class:`DraftStats`, what a drafter got right per position.
 """
 
-from .calibration import calibrate
 from .cost import StepCost
 from .policy import DrafterGate, Drafting, DraftPolicy, Drafts, Tuning
 from .stats import DrafterSync, DraftStats
@@ -26,5 +26,4 @@ __all__ = [
     "Drafts",
     "StepCost",
     "Tuning",
-    "calibrate",
 ]
