@@ -156,21 +156,35 @@ int32_t BatchData::n_outputs() const {
     return n;
 }
 
+std::string n_seq_error(int64_t n_seq) {
+    if (n_seq >= 1 && n_seq <= MAX_SEQ) return "";
+    return "n_seq must be in [1, " + std::to_string(MAX_SEQ) + "], got " + std::to_string(n_seq);
+}
+
+void validate_context_params(const ContextParams & params) {
+    auto bad = [](const std::string & why) { fail(ErrorKind::InvalidConfig, why); };
+    const auto n = [](uint32_t v) { return std::to_string(v); };
+    if (std::string why = n_seq_error(params.n_seq); !why.empty()) bad(why);
+    if (params.n_ctx < 1) bad("n_ctx must be positive");
+    if (params.n_ctx < params.n_seq) {
+        bad("n_ctx " + n(params.n_ctx) + " is too small for n_seq " + n(params.n_seq) +
+            " (each sequence needs at least one cell)");
+    }
+    if (params.n_batch < 1) bad("n_batch must be positive");
+    if (params.n_ubatch < 1 || params.n_ubatch > params.n_batch) {
+        bad("n_ubatch must be in [1, n_batch=" + n(params.n_batch) + "], got " + n(params.n_ubatch));
+    }
+    if (params.n_threads < 0) bad("threads must be >= 0 (0 = all cores), got " + std::to_string(params.n_threads));
+    if (params.n_outputs_max > params.n_batch) bad("n_outputs_max must be <= n_batch");
+}
+
 Context::Context(std::shared_ptr<Model> model, const ContextParams & params, std::shared_ptr<Context> other)
     : model_(std::move(model)), other_(std::move(other)), params_(params) {
     const ModelInfo & in = model_->info();
     if (model_->vocab_only()) {
         fail(ErrorKind::Init, "model '" + in.path + "' was loaded vocab-only: it cannot back a context");
     }
-    auto bad = [](const std::string & why) { fail(ErrorKind::InvalidConfig, why); };
-    if (params.n_seq < 1 || params.n_seq > 256) bad("n_seq must be in [1, 256], got " + std::to_string(params.n_seq));
-    if (params.n_ctx < 1) bad("n_ctx must be positive");
-    if (params.n_ctx < params.n_seq) bad("n_ctx " + std::to_string(params.n_ctx) + " is too small for n_seq " +
-                                         std::to_string(params.n_seq) + " (each sequence needs at least one cell)");
-    if (params.n_batch < 1) bad("n_batch must be positive");
-    if (params.n_ubatch < 1 || params.n_ubatch > params.n_batch) bad("n_ubatch must be in [1, n_batch]");
-    if (params.n_threads < 0) bad("threads must be >= 0 (0 = all cores), got " + std::to_string(params.n_threads));
-    if (params.n_outputs_max > params.n_batch) bad("n_outputs_max must be <= n_batch");
+    validate_context_params(params);
     if (params.kind == ContextKind::Mtp) {
         if (in.n_layer_nextn <= 0) {
             fail(ErrorKind::Init, "model '" + in.path + "' has no NextN/MTP layers: it cannot back an MTP context");

@@ -91,6 +91,15 @@ struct ContextParams {
     bool kv_unified = false;
 };
 
+// The most sequences a context serves (llama.cpp's LLAMA_MAX_SEQ), and the one rule on n_seq:
+// "" when n_seq is in [1, MAX_SEQ], else why.
+inline constexpr int64_t MAX_SEQ = 256;
+std::string n_seq_error(int64_t n_seq);
+
+// The rules on a context's sizes (InvalidConfig naming the value): the Context constructor
+// applies them, and Python's ContextConfig before anything is loaded.
+void validate_context_params(const ContextParams & params);
+
 // Plain token batch, built by Python; turned into a common_batch on the native thread.
 struct BatchData {
     std::vector<int32_t> tokens, pos, seq;

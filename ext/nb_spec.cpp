@@ -582,6 +582,8 @@ NB_MODULE(_nb_spec, m) {
         .def_rw("ngram_size_m", &SpecConfig::ngram_size_m)
         .def_rw("ngram_min_hits", &SpecConfig::ngram_min_hits);
     m.def("validate_spec_config", &validate_spec_config, "config"_a);
+    m.def("spec_batch_error", &spec_batch_error, "config"_a, "n_batch"_a);
+    m.def("validate_context_params", &validate_context_params, "params"_a);
     m.def("spec_config_digest", &spec_config_digest, "config"_a,
           "What a speculative state is valid for: a digest of every field of the config.");
     m.def("spec_type_needs_draft_model", &spec_type_needs_draft_model, "type"_a);

@@ -90,6 +90,12 @@ bool spec_type_needs_draft_model(const std::string & t) {
 
 bool spec_type_is_mtp(const std::string & t) { return t == "draft-mtp"; }
 
+std::string spec_batch_error(const SpecConfig & c, int64_t n_batch) {
+    const int64_t need = static_cast<int64_t>(c.n_draft_max) + 1;
+    if (c.type == "none" || n_batch >= need) return "";
+    return "n_batch " + std::to_string(n_batch) + " < n_draft_max + 1 = " + std::to_string(need);
+}
+
 void validate_spec_config(const SpecConfig & c) {
     auto bad = [](const std::string & why) { fail(ErrorKind::InvalidConfig, "invalid speculative config: " + why); };
     const auto & types = spec_types();
@@ -98,7 +104,7 @@ void validate_spec_config(const SpecConfig & c) {
         for (const std::string & t : types) all += (all.empty() ? "" : ", ") + t;
         bad("unknown speculative type '" + c.type + "' (known: " + all + ")");
     }
-    if (c.n_seq < 1 || c.n_seq > 256) bad("n_seq must be in [1, 256], got " + std::to_string(c.n_seq));
+    if (std::string why = n_seq_error(c.n_seq); !why.empty()) bad(why);
     if (c.n_draft_max <= 0) bad("n_draft_max must be > 0, got " + std::to_string(c.n_draft_max));
     if (c.n_draft_max > 1024) bad("n_draft_max must be <= 1024, got " + std::to_string(c.n_draft_max));
     if (c.n_min < 0 || c.n_min > c.n_draft_max) {
@@ -179,9 +185,7 @@ void SpecSession::validate_contexts() {
                      std::to_string(config_.n_seq));
     }
     if (type != "none") {
-        if (static_cast<int64_t>(tp.n_batch) < need) {
-            incompatible("target n_batch " + std::to_string(tp.n_batch) + " < n_draft_max + 1 = " + std::to_string(need));
-        }
+        if (std::string why = spec_batch_error(config_, tp.n_batch); !why.empty()) incompatible("target " + why);
         if (static_cast<int64_t>(tp.n_outputs_max_per_seq) < need) {
             incompatible("the target context allows " + std::to_string(tp.n_outputs_max_per_seq) +
                          " outputs per sequence, fewer than n_draft_max + 1 = " + std::to_string(need));
@@ -205,9 +209,7 @@ void SpecSession::validate_contexts() {
         incompatible("the draft context holds " + std::to_string(dp.n_seq) + " sequences; it must equal n_seq " +
                      std::to_string(config_.n_seq));
     }
-    if (static_cast<int64_t>(dp.n_batch) < need) {
-        incompatible("draft n_batch " + std::to_string(dp.n_batch) + " < n_draft_max + 1 = " + std::to_string(need));
-    }
+    if (std::string why = spec_batch_error(config_, dp.n_batch); !why.empty()) incompatible("draft " + why);
     if (spec_type_is_mtp(type)) {
         if (dp.kind != ContextKind::Mtp) incompatible("MTP drafting needs an MTP draft context");
         if (draft_->model() != target_->model()) incompatible("the MTP context must be over the target model");

@@ -39,6 +39,9 @@ struct SpecConfig {
 const std::vector<std::string> & spec_types();
 // Validate a config alone (InvalidConfig); also used by Python before any context exists.
 void validate_spec_config(const SpecConfig & config);
+// "" when a context of `n_batch` tokens can verify a sequence's longest draft under `config`
+// ([id_last, d1..dk]: n_draft_max + 1 tokens), else why; for the target and the draft context.
+std::string spec_batch_error(const SpecConfig & config, int64_t n_batch);
 // What a speculative state is valid for: every field of the config.
 uint32_t spec_config_digest(const SpecConfig & config);
 bool spec_type_needs_draft_model(const std::string & type);  // draft-simple / eagle3 / dflash / dspark

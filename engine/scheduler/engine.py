@@ -27,7 +27,6 @@ import anyio.abc
 from ..logs import get_logger
 from ..session import (
     ClosedError,
-    ContextConfig,
     Model,
     Runtime,
     SpeculativeSession,
@@ -123,14 +122,7 @@ class Engine:
         path = cfg.model if cfg.model is not None else default_model_path()
         self._model = Model.load(rt, path, n_gpu_layers=cfg.n_gpu_layers, mtp=spec.is_mtp)
         draft = Model.load(rt, cfg.draft_model, n_gpu_layers=cfg.n_gpu_layers) if cfg.draft_model else None
-        ctx = ContextConfig(
-            n_ctx=cfg.n_ctx * cfg.n_seq,
-            n_seq=cfg.n_seq,
-            n_batch=cfg.n_batch,
-            threads=cfg.threads,
-            kv_unified=cfg.unified_kv,
-        )
-        self._session = SpeculativeSession.open(self._model, spec, ctx, draft_model=draft)
+        self._session = SpeculativeSession.open(self._model, spec, cfg.context(), draft_model=draft)
         self._runner = step_runner(self._session)
         fingerprint = self._session.fingerprint()
         with_draft = self._session.draft_context is not None

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..session import InvalidConfigError, SpeculativeConfig
-from ..session.config import check, check_n_seq
+from ..session.config import ContextConfig, check
 
 __all__ = [
     "DEFAULT_NGRAM_N",
@@ -198,15 +198,8 @@ class EngineConfig:
     chat_template: str | None = None
 
     def __post_init__(self) -> None:
-        check_n_seq(self.n_seq)
         check(isinstance(self.n_ctx, int) and self.n_ctx >= 16, f"n_ctx must be >= 16, got {self.n_ctx!r}")
-        check(
-            isinstance(self.n_batch, int) and self.n_batch >= 1, f"n_batch must be >= 1, got {self.n_batch!r}"
-        )
-        check(
-            self.threads is None or (isinstance(self.threads, int) and self.threads >= 1),
-            f"threads must be >= 1 (or None for all cores), got {self.threads!r}",
-        )
+        self.context()  # the context's own rules (n_seq, n_batch, threads)
         check(isinstance(self.max_queue, int) and self.max_queue >= 0, "max_queue must be >= 0")
         check(
             isinstance(self.prefill_reserve, int) and self.prefill_reserve >= 1,
@@ -238,11 +231,21 @@ class EngineConfig:
         elif spec.n_seq != self.n_seq:
             spec = replace(spec, n_seq=self.n_seq)
         object.__setattr__(self, "speculative", spec)
-        check(
-            spec.type == "none" or self.n_batch >= spec.n_draft_max + 1,
-            f"n_batch {self.n_batch} must hold n_draft_max + 1 = {spec.n_draft_max + 1} tokens",
-        )
+        from .. import _nb_spec
+
+        too_small = _nb_spec.spec_batch_error(spec.native(), self.n_batch)  # (the session's rule)
+        check(not too_small, too_small)
         spec.check_draft_model(self.draft_model is not None)
+
+    def context(self) -> ContextConfig:
+        """The target context this configuration serves from: ``n_ctx`` cells per sequence."""
+        return ContextConfig(
+            n_ctx=self.n_ctx * self.n_seq,
+            n_seq=self.n_seq,
+            n_batch=self.n_batch,
+            threads=self.threads,
+            kv_unified=self.unified_kv,
+        )
 
     @property
     def unified_kv(self) -> bool:

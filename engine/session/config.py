@@ -68,12 +68,12 @@ def check(ok: bool, message: str) -> None:
         raise InvalidConfigError(message, reason=message)
 
 
-#: the most sequences a context serves (llama.cpp's ``LLAMA_MAX_SEQ``)
-MAX_SEQ = 256
-
-
-def check_n_seq(n_seq: object) -> None:
-    check(isinstance(n_seq, int) and 1 <= n_seq <= MAX_SEQ, f"n_seq must be in [1, {MAX_SEQ}], got {n_seq!r}")
+def check_uint32(name: str, value: object) -> None:
+    """The type rule before a value crosses to the native side, whose rules say the rest."""
+    check(
+        isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**32,
+        f"{name} must be a non-negative integer, got {value!r}",
+    )
 
 
 @dataclass(frozen=True)
@@ -95,23 +95,33 @@ class ContextConfig:
     kv_unified: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("n_ctx", "n_seq", "n_batch"):
+            check_uint32(name, getattr(self, name))
         if self.n_ubatch is None:
             object.__setattr__(self, "n_ubatch", min(512, self.n_batch))
-        check_n_seq(self.n_seq)
-        check(self.n_ctx >= 1, f"n_ctx must be positive, got {self.n_ctx}")
-        check(
-            self.n_ctx >= self.n_seq,
-            f"n_ctx {self.n_ctx} is too small for n_seq {self.n_seq}",
-        )
-        check(self.n_batch >= 1, f"n_batch must be positive, got {self.n_batch}")
-        check(
-            isinstance(self.n_ubatch, int) and 1 <= self.n_ubatch <= self.n_batch,
-            f"n_ubatch must be in [1, n_batch={self.n_batch}], got {self.n_ubatch}",
-        )
+        check_uint32("n_ubatch", self.n_ubatch)
         check(
             self.threads is None or (isinstance(self.threads, int) and self.threads >= 1),
             f"threads must be >= 1 (or None for all cores), got {self.threads!r}",
         )
+        from .. import _nb_spec
+
+        # the size rules live once, natively (the context applies them too)
+        _nb_spec.validate_context_params(self.native())
+
+    def native(self) -> _nb_spec.ContextParams:
+        """These sizes as the native context takes them."""
+        from .. import _nb_spec
+
+        p = _nb_spec.ContextParams()
+        p.n_ctx = self.n_ctx
+        p.n_batch = self.n_batch
+        p.n_ubatch = self.n_ubatch or self.n_batch
+        p.n_seq = self.n_seq
+        p.n_threads = self.threads or 0  # 0: all cores, natively
+        p.embeddings = self.embeddings
+        p.kv_unified = self.kv_unified
+        return p
 
     @property
     def n_ctx_seq(self) -> int:
@@ -141,8 +151,7 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "type", canonical_spec_type(self.type))
-        check_n_seq(self.n_seq)
-        for name in ("n_draft_max", "n_min", "ngram_size_n", "ngram_size_m", "ngram_min_hits"):
+        for name in ("n_seq", "n_draft_max", "n_min", "ngram_size_n", "ngram_size_m", "ngram_min_hits"):
             value = getattr(self, name)
             check(
                 isinstance(value, int) and -(2**31) <= value < 2**31,

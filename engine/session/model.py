@@ -216,14 +216,7 @@ class Context:
         n_outputs_max_per_seq: int = 0,
     ) -> Context:
         """Create a context. ``kind``: ``"default"`` or ``"mtp"`` (an MTP draft context)."""
-        p = _nb_spec.ContextParams()
-        p.n_ctx = config.n_ctx
-        p.n_batch = config.n_batch
-        p.n_ubatch = config.n_ubatch or config.n_batch
-        p.n_seq = config.n_seq
-        p.n_threads = config.threads or 0  # 0: all cores, natively
-        p.embeddings = config.embeddings
-        p.kv_unified = config.kv_unified
+        p = config.native()
         p.n_rs_seq = n_rs_seq
         p.n_outputs_max = n_outputs_max
         p.n_outputs_max_per_seq = n_outputs_max_per_seq
