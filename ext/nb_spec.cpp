@@ -369,27 +369,8 @@ void bind_chat(nb::module_ & m) {
         .def("message", &ChatParser::message);
 }
 
-}  // namespace
-
-NB_MODULE(_nb_spec, m) {
-    m.doc() = "Native core of the engine: one thread owning every llama.cpp object.";
-    llama_backend_init();
-    init_logging();
-    nb::register_exception_translator(translate);
-
-    m.attr("STATE_SEQ_FLAGS_NONE") = LLAMA_STATE_SEQ_FLAGS_NONE;
-    m.attr("STATE_SEQ_FLAGS_PARTIAL_ONLY") = LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY;
-    m.attr("SPEC_TYPES") = nb::tuple(nb::cast(spec_types()));
-    m.def("system_info", [] { return std::string(llama_print_system_info()); });
-    // every native error kind through the real translator, for the tests of the hierarchy
-    // (some kinds wrap upstream exceptions no input reaches: Begin, Accept, NotQuiescent)
-    m.def("_raise_error_kind", [](int kind) {
-        if (kind < 0 || kind > static_cast<int>(ErrorKind::Closed)) fail(ErrorKind::InvalidArgument, "no such error kind");
-        Error e(static_cast<ErrorKind>(kind), std::string("raised for a test: ") + error_kind_name(static_cast<ErrorKind>(kind)));
-        throw e;
-    }, "kind"_a);
-
-    // --- runtime ------------------------------------------------------------------------
+// --- the native thread and its tickets -----------------------------------------------
+void bind_runtime(nb::module_ & m) {
     nb::class_<PyTicket>(m, "Ticket", "A native job in flight.")
         .def_prop_ro("id", &PyTicket::id)
         .def("done", &PyTicket::done)
@@ -415,8 +396,10 @@ NB_MODULE(_nb_spec, m) {
                  nb::gil_scoped_release release;
                  r.ex->shutdown();
              }, "Finish queued work, free every native object, join the thread. Idempotent.");
+}
 
-    // --- model ------------------------------------------------------------------------
+// --- GGUF facts, model info and loading ----------------------------------------------
+void bind_model(nb::module_ & m) {
     nb::class_<GgufFacts>(m, "GgufFacts")
         .def_ro("arch", &GgufFacts::arch)
         .def_ro("block_count", &GgufFacts::block_count)
@@ -484,8 +467,10 @@ NB_MODULE(_nb_spec, m) {
         .def("token_to_piece", [](ModelHandle & h, int32_t token, bool special) {
                 return to_bytes(Bound<ModelHandle, &Model::token_to_piece>::call(h, token, special));
             }, "token"_a, "special"_a = false);
+}
 
-    // --- context ------------------------------------------------------------------------
+// --- context parameters, their rules, and contexts -----------------------------------
+void bind_context(nb::module_ & m) {
     nb::enum_<ContextKind>(m, "ContextKind")
         .value("DEFAULT", ContextKind::Default)
         .value("MTP", ContextKind::Mtp);
@@ -503,6 +488,7 @@ NB_MODULE(_nb_spec, m) {
         .def_rw("kind", &ContextParams::kind)
         .def_rw("embeddings", &ContextParams::embeddings)
         .def_rw("kv_unified", &ContextParams::kv_unified);
+    m.def("validate_context_params", &validate_context_params, "params"_a);
 
     // decode on the native thread; the job holds no reference to the Python handle
     auto decode = [](const std::weak_ptr<Context> & weak, const std::shared_ptr<Outputs> & out, const BatchData & b) {
@@ -568,8 +554,10 @@ NB_MODULE(_nb_spec, m) {
         .def("state_seq_set", [](ContextHandle & h, nb::bytes data, int32_t seq_id, uint32_t flags) {
                 return Bound<ContextHandle, &Context::state_seq_set>::call(h, to_vec(data), seq_id, flags);
             }, "data"_a, "seq_id"_a, "flags"_a = 0);
+}
 
-    // --- speculative session ------------------------------------------------------------
+// --- speculative configs and the session ---------------------------------------------
+void bind_session(nb::module_ & m) {
     nb::class_<SpecConfig>(m, "SpecConfig")
         .def(nb::init<>())
         .def_rw("type", &SpecConfig::type)
@@ -583,7 +571,6 @@ NB_MODULE(_nb_spec, m) {
         .def_rw("ngram_min_hits", &SpecConfig::ngram_min_hits);
     m.def("validate_spec_config", &validate_spec_config, "config"_a);
     m.def("spec_batch_error", &spec_batch_error, "config"_a, "n_batch"_a);
-    m.def("validate_context_params", &validate_context_params, "params"_a);
     m.def("spec_config_digest", &spec_config_digest, "config"_a,
           "What a speculative state is valid for: a digest of every field of the config.");
     m.def("spec_type_needs_draft_model", &spec_type_needs_draft_model, "type"_a);
@@ -679,8 +666,10 @@ NB_MODULE(_nb_spec, m) {
              "seq_id"_a = -1, "p0"_a = -1, "p1"_a = -1)
         .def("clear_draft_kv", &Bound<S, &SpecSession::clear_draft_kv>::call,
              "seq_id"_a = -1, "p0"_a = -1, "p1"_a = -1);
+}
 
-    // --- the engine step ----------------------------------------------------------------
+// --- sampler parameters, step plans and results, the step runner ---------------------
+void bind_step(nb::module_ & m) {
     nb::class_<SamplerParams>(m, "SamplerParams")
         .def(nb::init<>())
         .def_rw("temperature", &SamplerParams::temperature)
@@ -703,7 +692,6 @@ NB_MODULE(_nb_spec, m) {
         .def_rw("special", &SamplerParams::special);
     m.attr("MAX_LOGPROBS") = MAX_LOGPROBS;
     m.def("validate_sampler_params", &validate_sampler_params, "params"_a);
-    bind_chat(m);
 
     nb::class_<StepPlan>(m, "StepPlan", "What one engine step does; filled by the scheduler.")
         .def(nb::init<>())
@@ -791,4 +779,32 @@ NB_MODULE(_nb_spec, m) {
         .def("step_async", [](RunnerHandle & h, const StepPlan & plan) {
                 return run_async(h.executor(), [weak = h.weak, plan] { return lock_weak(weak)->run(plan); });
             }, "plan"_a);
+}
+
+}  // namespace
+
+NB_MODULE(_nb_spec, m) {
+    m.doc() = "Native core of the engine: one thread owning every llama.cpp object.";
+    llama_backend_init();
+    init_logging();
+    nb::register_exception_translator(translate);
+
+    m.attr("STATE_SEQ_FLAGS_NONE") = LLAMA_STATE_SEQ_FLAGS_NONE;
+    m.attr("STATE_SEQ_FLAGS_PARTIAL_ONLY") = LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY;
+    m.attr("SPEC_TYPES") = nb::tuple(nb::cast(spec_types()));
+    m.def("system_info", [] { return std::string(llama_print_system_info()); });
+    // every native error kind through the real translator, for the tests of the hierarchy
+    // (some kinds wrap upstream exceptions no input reaches: Begin, Accept, NotQuiescent)
+    m.def("_raise_error_kind", [](int kind) {
+        if (kind < 0 || kind > static_cast<int>(ErrorKind::Closed)) fail(ErrorKind::InvalidArgument, "no such error kind");
+        Error e(static_cast<ErrorKind>(kind), std::string("raised for a test: ") + error_kind_name(static_cast<ErrorKind>(kind)));
+        throw e;
+    }, "kind"_a);
+
+    bind_runtime(m);
+    bind_model(m);
+    bind_context(m);
+    bind_session(m);
+    bind_chat(m);  // (before the step: sampler parameters carry a chat grammar)
+    bind_step(m);
 }
