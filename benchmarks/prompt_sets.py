@@ -5,8 +5,10 @@ nobody tuned for".
     python benchmarks/prompt_sets.py --sets heldout --repeats 5
     python benchmarks/prompt_sets.py --render              # the table from the runs kept
 
-Each set is one ``python -m engine bench`` run (speculation off and on, interleaved repeats;
-its JSON is kept in ``benchmarks/results/prompt_sets/<set>/``). The ``heldout`` set
+Each set and N is one ``python -m engine bench`` run (speculation off and on, interleaved
+repeats; its JSON is kept in ``benchmarks/results/prompt_sets/<set>/n<N>/``). From 16 streams
+on a run sends 6N requests (``--long-requests``), not 4N: with 4N its steady window was a few
+seconds and the paired ratios spread over 0.2. The ``heldout`` set
 (``engine.workloads.HELDOUT_PROMPTS``) is kept out of all tuning of the draft policy: change
 the policy looking at the other sets only, then run this one.
 """
@@ -36,23 +38,28 @@ ABOUT = {
 }
 
 
-def measure(name: str, args: argparse.Namespace) -> None:
-    out = (RUNS / name).relative_to(ROOT)  # (relative: the command is kept in its JSON)
+LONG_FROM = 16  #: streams from which a run sends --long-requests per stream
+
+
+def measure(name: str, n: int, args: argparse.Namespace) -> None:
+    out = (RUNS / name / f"n{n}").relative_to(ROOT)  # (relative: the command is kept in its JSON)
     cmd = [
-        sys.executable, "-m", "engine", "bench", "--prompts", name, "--streams", args.streams,
+        sys.executable, "-m", "engine", "bench", "--prompts", name, "--streams", str(n),
         "--spec", f"none,{args.spec}", "--repeats", str(args.repeats), "--max-tokens", str(args.max_tokens),
         "--out", str(out),
     ]  # fmt: skip
+    if n >= LONG_FROM:
+        cmd += ["--requests", str(args.long_requests * n)]
     print("$", " ".join(cmd[1:]), flush=True)
     subprocess.run(cmd, check=True, cwd=ROOT)
 
 
-def rows(report: dict) -> list[str]:
+def rows(name: str, reports: list[dict]) -> list[str]:
     """One table row per N: the paired repeats (off, on, off, on, ... as the bench ran them)."""
     by_n: dict[int, dict[str, list[dict]]] = {}
-    for r in report["results"]:
-        by_n.setdefault(r["n_streams"], {}).setdefault(r["speculative"], []).append(r)
-    name = report["settings"]["prompts"]
+    for report in reports:
+        for r in report["results"]:
+            by_n.setdefault(r["n_streams"], {}).setdefault(r["speculative"], []).append(r)
     out = []
     for n, runs in sorted(by_n.items()):
         off_runs = runs["none"]
@@ -71,11 +78,13 @@ def rows(report: dict) -> list[str]:
 
 
 def render() -> str:
-    reports = {p.parent.name: json.loads(p.read_text()) for p in sorted(RUNS.glob("*/bench.json"))}
+    reports: dict[str, list[dict]] = {}
+    for path in sorted(RUNS.glob("*/n*/bench.json"), key=lambda p: int(p.parent.name[1:])):
+        reports.setdefault(path.parent.parent.name, []).append(json.loads(path.read_text()))
     order = [s for s in SETS if s in reports] + sorted(set(reports) - set(SETS))
     if not order:
         raise SystemExit(f"no runs under {RUNS.relative_to(ROOT)}: measure first")
-    first = reports[order[0]]
+    first = reports[order[0]][0]
     machine = first["machine"]
     if isinstance(machine, dict):
         machine = f"{machine.get('cpu', '?')}, {machine.get('cores', '?')} cores"
@@ -84,6 +93,7 @@ def render() -> str:
         "",
         f"`python benchmarks/prompt_sets.py` ({first['model']}, {machine}, "
         f"{first['settings']['max_tokens']} greedy tokens a request, 4N requests (at least 8) per N, "
+        f"from {LONG_FROM} streams on the number given in the row's command, "
         "end-of-generation ignored): speculation on (`--spec` below, the engine's defaults: "
         "16-token drafts, 4-token n-gram keys) ÷ off, each run's steady-state tok/s; the ratio is "
         "the median [min, max] of the paired interleaved repeats, `drafted / accepted` the median "
@@ -93,10 +103,11 @@ def render() -> str:
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name in order:
-        lines += rows(reports[name])
+        lines += rows(name, reports[name])
     lines += ["", "† drafted nothing in the median run: the row measures what speculation on costs.", ""]
-    lines += [f"- `{name}`: {ABOUT.get(name, 'a prompt file')}; ran {reports[name]['date']}: "
-              f"`{reports[name]['command']}`" for name in order]  # fmt: skip
+    for name in order:
+        lines.append(f"- `{name}`: {ABOUT.get(name, 'a prompt file')}:")
+        lines += [f"  - ran {r['date']}: `{r['command']}`" for r in reports[name]]
     return "\n".join(lines) + "\n"
 
 
@@ -107,11 +118,15 @@ def main() -> None:
     ap.add_argument("--spec", default="ngram-simple")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument(
+        "--long-requests", type=int, default=6, help=f"requests per stream from {LONG_FROM} streams"
+    )
     ap.add_argument("--render", action="store_true", help="only write the table from the runs kept")
     args = ap.parse_args()
     if not args.render:
         for name in args.sets.split(","):
-            measure(name, args)
+            for n in [int(x) for x in args.streams.split(",")]:
+                measure(name, n, args)
     (RESULTS / "prompt_sets.md").write_text(render())
     write_benchmarks()
 

@@ -100,9 +100,9 @@ class _Realized:
     """What the steps taken on a price brought against what it predicted: accepted tokens and
     seconds, as decayed sums. The engine's rates are learned from the drafts the policy chose,
     a selected sample; drafting every match applies them to every sequence, including those
-    the choice would have left out, whose drafts are longer and accepted less. A price is scaled by what the
-    steps it chose delivered; the evidence fades as it ages, so a price that stopped paying is
-    tried again once the drafts may have changed."""
+    the choice would have left out, whose drafts are longer and accepted less. A price is
+    scaled by what the steps it chose delivered; the evidence fades as it ages, so a price
+    that stopped paying is tried again once the drafts may have changed."""
 
     accepted: float = 0.0
     gain: float = 0.0
@@ -116,8 +116,7 @@ class _Realized:
 
     def age(self) -> None:
         """A pricing without a step: the evidence weighs a little less."""
-        for name in ("accepted", "gain", "seconds", "predicted"):
-            setattr(self, name, _REALIZED_DECAY * getattr(self, name))
+        self.add(0.0, 0.0, 0.0, 0.0)
 
     def scale(self, gain: Any, seconds: Any) -> tuple[Any, Any]:
         """``gain`` and ``seconds`` as the steps taken realized them (a prior of
@@ -189,7 +188,13 @@ class DrafterGate:
     against a step without drafter; after :attr:`Tuning.gate_patience` steps in a row that
     lose, the gate closes (every sequence in a skipped batch drafts no more) and opens again
     ``backoff`` steps later for the requests that start then, the wait doubling each time
-    it closes again soon. A batch with no sequence in sync is never fed."""
+    it closes again soon. A batch with no sequence in sync is never fed.
+
+    A request whose drafter missed a batch does not resume when the gate opens again: the
+    target's hidden states of the skipped tokens are gone, re-deriving them costs a prompt
+    pass over the window, and the drafter's cache cannot take a gap in a sequence's
+    positions. The gate closes only when drafting does not pay for the batch, so such
+    requests rarely had drafts worth resuming (BENCHMARKS.md, "Stream drafters")."""
 
     open: bool = True
     strikes: int = 0
