@@ -55,11 +55,14 @@ def measure(name: str, n: int, args: argparse.Namespace) -> None:
 
 
 def rows(name: str, reports: list[dict]) -> list[str]:
-    """One table row per N: the paired repeats (off, on, off, on, ... as the bench ran them)."""
+    """One table row per N, from the newest run of that N: the paired repeats (off, on, off,
+    on, ... as the bench ran them)."""
     by_n: dict[int, dict[str, list[dict]]] = {}
-    for report in reports:
+    for report in sorted(reports, key=lambda r: r["date"], reverse=True):
+        ns = {r["n_streams"] for r in report["results"]} - set(by_n)
         for r in report["results"]:
-            by_n.setdefault(r["n_streams"], {}).setdefault(r["speculative"], []).append(r)
+            if r["n_streams"] in ns:
+                by_n.setdefault(r["n_streams"], {}).setdefault(r["speculative"], []).append(r)
     out = []
     for n, runs in sorted(by_n.items()):
         off_runs = runs["none"]
@@ -78,9 +81,10 @@ def rows(name: str, reports: list[dict]) -> list[str]:
 
 
 def render() -> str:
-    reports: dict[str, list[dict]] = {}
-    for path in sorted(RUNS.glob("*/n*/bench.json"), key=lambda p: int(p.parent.name[1:])):
-        reports.setdefault(path.parent.parent.name, []).append(json.loads(path.read_text()))
+    reports: dict[str, list[dict]] = {}  # by set: a run of every N (before), or of one N
+    for path in [*RUNS.glob("*/bench.json"), *RUNS.glob("*/n*/bench.json")]:
+        name = (path.parent if path.parent.parent == RUNS else path.parent.parent).name
+        reports.setdefault(name, []).append(json.loads(path.read_text()))
     order = [s for s in SETS if s in reports] + sorted(set(reports) - set(SETS))
     if not order:
         raise SystemExit(f"no runs under {RUNS.relative_to(ROOT)}: measure first")
@@ -107,7 +111,9 @@ def render() -> str:
     lines += ["", "† drafted nothing in the median run: the row measures what speculation on costs.", ""]
     for name in order:
         lines.append(f"- `{name}`: {ABOUT.get(name, 'a prompt file')}:")
-        lines += [f"  - ran {r['date']}: `{r['command']}`" for r in reports[name]]
+        lines += [
+            f"  - ran {r['date']}: `{r['command']}`" for r in sorted(reports[name], key=lambda r: r["date"])
+        ]
     return "\n".join(lines) + "\n"
 
 
