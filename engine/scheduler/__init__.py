@@ -3,7 +3,8 @@
 Modules, one job each: ``inputs`` (submissions → requests), ``planner`` (slots, queue and
 the step plan), ``scheduler`` (state transitions), ``output`` (verified tokens → what a
 request keeps and emits), ``checkpoints`` (a request's sequence as bytes), ``engine`` (the
-public API and the step loop), ``policy`` (how much to draft).
+public API and the step loop), ``streams`` (what a caller reads a streamed request
+through), ``native`` (the one door to the extension), ``drafting`` (how much to draft).
 """
 
 from __future__ import annotations

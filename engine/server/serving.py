@@ -28,7 +28,7 @@ from ..scheduler import (
     RequestOutput,
     SamplingParams,
 )
-from ..scheduler.engine import StreamGroup
+from ..scheduler.streams import StreamGroup
 from ..session import (
     ChatMessage,
     ClosedError,
