@@ -269,6 +269,9 @@ async def test_stop_strings_utf8_and_limits(model_paths: dict[str, Path], models
                 await engine.generate(bad_prompt, GREEDY)  # type: ignore[arg-type]
         with pytest.raises(InvalidConfigError):
             EngineConfig(model=model_paths["walk-llama"], threads=0)
+        # the session's rule, told before the engine starts: a batch holds a longest draft
+        with pytest.raises(InvalidConfigError, match=r"n_batch 8 < n_draft_max \+ 1 = 17"):
+            EngineConfig(model=model_paths["walk-llama"], n_batch=8, speculative="ngram-simple")
         for bad in ({"max_tokens": 0}, {"temperature": -1.0}, {"top_p": 0.0}, {"top_k": -1}, {"stop": ("",)}):
             with pytest.raises(InvalidConfigError):
                 SamplingParams(**bad)  # type: ignore[arg-type]

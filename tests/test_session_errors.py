@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from engine import _nb_spec
 from engine.session import (
     AcceptedTooManyError,
     BadSeqIdError,
@@ -140,11 +141,27 @@ def test_invalid_speculative_configs(kwargs: dict[str, object]) -> None:
         {"n_ubatch": 600, "n_batch": 512},
         {"threads": -1},
         {"threads": 0},
+        {"n_ctx": -1},
+        {"n_seq": True},
+        {"n_batch": 2**40},
+        {"n_ubatch": "8"},
     ],
 )
 def test_invalid_context_configs(kwargs: dict[str, int]) -> None:
     with pytest.raises(InvalidConfigError):
         ContextConfig(**kwargs)
+
+
+def test_a_context_rule_reads_the_same_before_and_at_the_native_context() -> None:
+    """One rule, one place: ContextConfig applies the native context's own rules."""
+    with pytest.raises(InvalidConfigError) as python_side:
+        ContextConfig(n_ctx=512, n_seq=2, n_batch=64, n_ubatch=128)
+    params = ContextConfig(n_ctx=512, n_seq=2, n_batch=64, n_ubatch=64).native()
+    params.n_ubatch = 128
+    with pytest.raises(InvalidConfigError) as native_side:
+        _nb_spec.validate_context_params(params)
+    assert str(python_side.value) == str(native_side.value)
+    assert "n_ubatch must be in [1, n_batch=64], got 128" in str(python_side.value)
 
 
 def test_context_checks_of_the_seed(models: ModelCache) -> None:
