@@ -6,7 +6,9 @@ the low-level, synchronous speculative session lives in :mod:`engine.session`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ._lazy import lazy_names
 
 if TYPE_CHECKING:
     from . import session
@@ -75,6 +77,7 @@ __all__ = [
 # Names resolve on first use, so that importing a pure module (the scheduler's planner, the
 # drafting subsystem) does not load the native extension.
 _WHERE = {
+    "session": "session",
     "Delta": "scheduler",
     "Engine": "scheduler",
     "EngineConfig": "scheduler",
@@ -104,15 +107,4 @@ _WHERE = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name == "session":
-        from . import session
-
-        return session
-    if name in _WHERE:
-        from importlib import import_module
-
-        value = getattr(import_module(f".{_WHERE[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, _WHERE)

@@ -6,8 +6,9 @@ scheduler (``engine.scheduler``) builds the async engine on top.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from .._lazy import lazy_names
 from .errors import *  # noqa: F403
 from .errors import __all__ as _errors_all
 
@@ -68,11 +69,4 @@ _WHERE = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _WHERE:
-        from importlib import import_module
-
-        value = getattr(import_module(f".{_WHERE[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, _WHERE)
