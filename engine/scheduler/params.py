@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..session import InvalidConfigError, SpeculativeConfig
-from ..session.config import ContextConfig, check
+from ..session.config import ContextConfig, check, check_uint32
 
 __all__ = [
     "DEFAULT_NGRAM_N",
@@ -199,6 +199,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check(isinstance(self.n_ctx, int) and self.n_ctx >= 16, f"n_ctx must be >= 16, got {self.n_ctx!r}")
+        check_uint32("n_seq", self.n_seq)  # (before n_ctx * n_seq: a context's size)
         self.context()  # the context's own rules (n_seq, n_batch, threads)
         check(isinstance(self.max_queue, int) and self.max_queue >= 0, "max_queue must be >= 0")
         check(
