@@ -473,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = _parser().parse_args(argv)
     args.argv = argv
+    args.stdout = sys.stdout  # (the command line's output: its report)
     # the command line is an application: its logs go to stderr, stdout is the output
     logging.basicConfig(stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("engine").setLevel(logging.INFO if args.verbose else logging.WARNING)

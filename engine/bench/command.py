@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import itertools
 import json
 import shlex
@@ -37,6 +38,12 @@ __all__ = ["bench"]
 EngineConfigOf = Callable[..., EngineConfig]
 
 
+def _echo(args: argparse.Namespace) -> Callable[..., None]:
+    """Where the command's report goes: the stream its caller gives (``args.stdout``; the
+    command line's is its standard output), never this process's stdout by default."""
+    return functools.partial(print, file=args.stdout, flush=True)
+
+
 def _progress(total: int | None, desc: str) -> tuple[Callable[[int], None] | None, Callable[[], None]]:
     """A progress bar on stderr: (called per finished request, close)."""
     try:
@@ -54,6 +61,7 @@ def _progress(total: int | None, desc: str) -> tuple[Callable[[int], None] | Non
 async def bench(args: argparse.Namespace, engine_config: EngineConfigOf) -> int:
     """``python -m engine bench``: the load test ``args`` describes; ``engine_config(args,
     spec, n_seq, prefix_cache)`` is the engine each run serves from."""
+    echo = _echo(args)
     n_values = [int(x) for x in args.streams.split(",")]
     specs = args.spec.split(",")
     prompts = load_prompts(args.prompts)
@@ -72,14 +80,14 @@ async def bench(args: argparse.Namespace, engine_config: EngineConfigOf) -> int:
     if args.no_prefix_cache:
         caches = [False]
     if args.chat:
-        print(f"model: {model}", flush=True)
+        echo(f"model: {model}")
         return await _bench_chat(args, engine_config, specs[0], caches, model, out)
     if args.overload:
-        print(f"model: {model}", flush=True)
+        echo(f"model: {model}")
         return await _bench_overload(args, engine_config, specs[0], model, out)
     if args.url:
         return await _bench_url(args, n_values, prompts, out)
-    print(f"model: {model}\nraw batched decode (llama.cpp, no scheduling) at N = {n_values} ...", flush=True)
+    echo(f"model: {model}\nraw batched decode (llama.cpp, no scheduling) at N = {n_values} ...")
     raw = await anyio.to_thread.run_sync(measure_raw, model, n_values, args.threads)
     results: list[BenchResult] = []
     for n in n_values:
@@ -89,7 +97,7 @@ async def bench(args: argparse.Namespace, engine_config: EngineConfigOf) -> int:
                 what = f"{args.duration:g} s" if args.duration else f"{n_req} requests"
                 label = f" repeat {rep + 1}/{args.repeats}" if args.repeats > 1 else ""
                 name = spec if cache else f"{spec} no-cache"
-                print(f"engine: {name:>23} N={n:<3} {what} x {args.max_tokens} tokens{label} ...", flush=True)
+                echo(f"engine: {name:>23} N={n:<3} {what} x {args.max_tokens} tokens{label} ...")
                 tick, close = _progress(n_req, f"{name} N={n}")
                 r = await run_load(
                     engine_config(args, spec, args.n_seq or n, cache),
@@ -103,8 +111,8 @@ async def bench(args: argparse.Namespace, engine_config: EngineConfigOf) -> int:
                 close()
                 r.raw_tokens_per_s = raw[n]
                 results.append(r)
-    print()
-    print(summarize(results))
+    echo()
+    echo(summarize(results))
     _write_report(
         args,
         model,
@@ -140,22 +148,23 @@ async def bench(args: argparse.Namespace, engine_config: EngineConfigOf) -> int:
             out / "bench.png",
             title=f"{Path(model).name}, {args.prompts} prompts, {args.max_tokens} tokens",
         )
-        print(f"wrote {out / 'bench.png'}")
+        echo(f"wrote {out / 'bench.png'}")
     except ImportError:
-        print("no plot: matplotlib is missing (pip install 'llama-spec-engine[demo]')")
+        echo("no plot: matplotlib is missing (pip install 'llama-spec-engine[demo]')")
     return 0
 
 
 async def _bench_url(args: argparse.Namespace, n_values: list[int], prompts: list[Any], out: Path) -> int:
     """The same closed-loop load against an OpenAI-compatible server (ours, llama-server, vLLM)."""
-    print(f"server: {args.url} (its own model and speculative settings)", flush=True)
+    echo = _echo(args)
+    echo(f"server: {args.url} (its own model and speculative settings)")
     results: list[BenchResult] = []
     for n in n_values:
         for rep in range(args.repeats):
             n_req = None if args.duration else (args.requests or default_requests(n))
             what = f"{args.duration:g} s" if args.duration else f"{n_req} requests"
             label = f" repeat {rep + 1}/{args.repeats}" if args.repeats > 1 else ""
-            print(f"http: N={n:<3} {what} x {args.max_tokens} tokens{label} ...", flush=True)
+            echo(f"http: N={n:<3} {what} x {args.max_tokens} tokens{label} ...")
             tick, close = _progress(n_req, f"http N={n}")
             r = await run_http_load(
                 args.url,
@@ -170,8 +179,8 @@ async def _bench_url(args: argparse.Namespace, n_values: list[int], prompts: lis
             )
             close()
             results.append(r)
-    print()
-    print(summarize(results))
+    echo()
+    echo(summarize(results))
     _write_report(
         args,
         args.served_model or args.url,
@@ -203,9 +212,10 @@ async def _bench_chat(
     model: str,
     out: Path,
 ) -> int:
+    echo = _echo(args)
     stats = []
     if args.url:  # a server or a cluster: its own model and cache settings
-        print(f"server: {args.url}: {args.conversations} conversations x {args.turns} turns ...", flush=True)
+        echo(f"server: {args.url}: {args.conversations} conversations x {args.turns} turns ...")
         stats = await run_http_conversations(
             args.url,
             args.conversations,
@@ -216,10 +226,9 @@ async def _bench_chat(
         )
         caches = []
     for cache in caches:
-        print(
+        echo(
             f"engine: {args.conversations} conversations x {args.turns} turns, whole conversation resent, "
             f"prefix cache {'on' if cache else 'off'} ...",
-            flush=True,
         )
         stats += await run_conversations(
             engine_config(args, spec, args.n_seq or args.conversations, cache),
@@ -227,8 +236,8 @@ async def _bench_chat(
             args.turns,
             args.max_tokens,
         )
-    print()
-    print(summarize_turns(stats))
+    echo()
+    echo(summarize_turns(stats))
     _write_report(args, model, out / "bench-chat.json", turns=[s.as_dict() for s in stats])
     return 0
 
@@ -236,28 +245,29 @@ async def _bench_chat(
 async def _bench_overload(
     args: argparse.Namespace, engine_config: EngineConfigOf, spec: str, model: str, out: Path
 ) -> int:
+    echo = _echo(args)
     n_seq = args.n_seq or 4
     results = []
     for rep in range(args.repeats):  # interleaved: on, off, on, off, ...
         for preemption in (True, False):
-            print(
+            echo(
                 f"engine: {args.clients} clients ({args.clients // 4} long: {args.long_tokens} tokens, the rest "
                 f"{args.max_tokens}) on {n_seq} slots, preemption {'on' if preemption else 'off'}"
                 f"{f' repeat {rep + 1}/{args.repeats}' if args.repeats > 1 else ''} ...",
-                flush=True,
             )
             config = dataclasses.replace(engine_config(args, spec, n_seq), preemption=preemption)
             results.append(
                 await run_overload(config, args.clients, args.clients // 4, args.long_tokens, args.max_tokens)
             )
-    print()
-    print(summarize_overload(results))
+    echo()
+    echo(summarize_overload(results))
     _write_report(args, model, out / "bench-overload.json", runs=[r.as_dict() for r in results])
     return 0
 
 
 def _write_report(args: argparse.Namespace, model: str, path: Path, **fields: Any) -> None:
     """A bench run's JSON: when, on what, the command, then ``fields``."""
+    echo = _echo(args)
     report = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "model": Path(model).name,
@@ -266,4 +276,4 @@ def _write_report(args: argparse.Namespace, model: str, path: Path, **fields: An
         **fields,
     }
     path.write_text(json.dumps(report, indent=2))
-    print(f"\nwrote {path}")
+    echo(f"\nwrote {path}")
