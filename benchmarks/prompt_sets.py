@@ -101,7 +101,11 @@ def render() -> str:
         "end-of-generation ignored): speculation on (`--spec` below, the engine's defaults: "
         "16-token drafts, 4-token n-gram keys) ÷ off, each run's steady-state tok/s; the ratio is "
         "the median [min, max] of the paired interleaved repeats, `drafted / accepted` the median "
-        "on-run's. The first set was kept out of all tuning of the draft policy.",
+        "on-run's. The first set was kept out of all tuning of the draft policy. Runs from "
+        "2026-12-04 on alternate which side goes first (off, on, on, off, ...); earlier ones ran "
+        "off first in every repeat, which favours off while the machine slows down over a run "
+        "(the held-out 16-stream row was 0.92x [0.88, 0.99] that way on 2026-12-03, 0.99x "
+        "[0.98, 1.02] alternating).",
         "",
         "| prompts | N | off tok/s | on tok/s | on ÷ off | repeats | drafted / accepted |",
         "|---|---:|---:|---:|---:|---:|---:|",

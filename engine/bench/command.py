@@ -91,8 +91,11 @@ async def bench(args: argparse.Namespace, engine_config: EngineConfigOf) -> int:
     raw = await anyio.to_thread.run_sync(measure_raw, model, n_values, args.threads)
     results: list[BenchResult] = []
     for n in n_values:
-        for rep in range(args.repeats):  # interleaved: A, B, A, B, ... (the machine drifts)
-            for spec, cache in itertools.product(specs, caches):
+        for rep in range(args.repeats):
+            # interleaved A, B, B, A, ...: the machine drifts, and a fixed order would favour
+            # whichever side always runs first
+            variants = list(itertools.product(specs, caches))
+            for spec, cache in variants if rep % 2 == 0 else reversed(variants):
                 n_req = None if args.duration else (args.requests or default_requests(n))
                 what = f"{args.duration:g} s" if args.duration else f"{n_req} requests"
                 label = f" repeat {rep + 1}/{args.repeats}" if args.repeats > 1 else ""
@@ -248,8 +251,8 @@ async def _bench_overload(
     echo = _echo(args)
     n_seq = args.n_seq or 4
     results = []
-    for rep in range(args.repeats):  # interleaved: on, off, on, off, ...
-        for preemption in (True, False):
+    for rep in range(args.repeats):  # interleaved: on, off, off, on, ... (see above)
+        for preemption in (True, False) if rep % 2 == 0 else (False, True):
             echo(
                 f"engine: {args.clients} clients ({args.clients // 4} long: {args.long_tokens} tokens, the rest "
                 f"{args.max_tokens}) on {n_seq} slots, preemption {'on' if preemption else 'off'}"

@@ -87,8 +87,8 @@ def speedups(
     results: list[BenchResult], reference: str = "none"
 ) -> list[tuple[int, str, float, float, float]]:
     """(N, variant, median, min, max) of each speculative type's throughput ÷ ``reference``'s
-    with the same prefix cache setting, paired run by run in the order they ran (interleaved
-    repeats: A, B, A, B, ...)."""
+    with the same prefix cache setting, paired repeat by repeat (interleaved
+    repeats: A, B, B, A, ...)."""
     out = []
     for n in sorted({r.n_streams for r in results}):
         for variant in dict.fromkeys(r.variant for r in results if r.speculative != reference):
