@@ -44,6 +44,7 @@ def _engine_config(
         prefix_cache=not args.no_prefix_cache if prefix_cache is None else prefix_cache,
         max_queue=getattr(args, "max_queue", 1024),
         chat_template=_chat_template(args.chat_template),
+        deterministic=args.deterministic,
     )
 
 
@@ -95,6 +96,12 @@ def _add_model_args(
         "--no-prefix-cache",
         action="store_true",
         help="prefill every prompt whole (default: reuse what a finished request left in the KV cache)",
+    )
+    g.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="the same request gives the same tokens whatever else is batched with it "
+        "(batch-invariant kernels, a KV stream per sequence; costs a few %% of decode)",
     )
 
 
@@ -185,6 +192,7 @@ def _cluster_config(args: argparse.Namespace) -> Any:
         "n_seq": args.n_seq,
         "n_ctx": args.n_ctx,
         "prefix_cache": not args.no_prefix_cache,
+        "deterministic": args.deterministic,
         "max_queue": args.max_queue,
         "chat_template": _chat_template(args.chat_template),
     }

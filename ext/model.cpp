@@ -229,6 +229,7 @@ Context::Context(std::shared_ptr<Model> model, const ContextParams & params, std
     if (ctx_ == nullptr) {
         fail(ErrorKind::Init, "llama.cpp could not create a context for '" + in.path + "' (see the llama.cpp log)");
     }
+    llama_set_batch_invariant(ctx_, params.batch_invariant);
     params_.n_ctx = llama_n_ctx(ctx_);
     params_.n_batch = llama_n_batch(ctx_);
     params_.n_ubatch = llama_n_ubatch(ctx_);

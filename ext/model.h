@@ -89,6 +89,7 @@ struct ContextParams {
     ContextKind kind = ContextKind::Default;
     bool embeddings = false;
     bool kv_unified = false;
+    bool batch_invariant = false;     // every row computed alike whatever the batch holds (CPU)
 };
 
 // The most sequences a context serves (llama.cpp's LLAMA_MAX_SEQ), and the one rule on n_seq:

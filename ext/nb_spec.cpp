@@ -487,7 +487,8 @@ void bind_context(nb::module_ & m) {
         .def_rw("n_threads", &ContextParams::n_threads)
         .def_rw("kind", &ContextParams::kind)
         .def_rw("embeddings", &ContextParams::embeddings)
-        .def_rw("kv_unified", &ContextParams::kv_unified);
+        .def_rw("kv_unified", &ContextParams::kv_unified)
+        .def_rw("batch_invariant", &ContextParams::batch_invariant);
     m.def("validate_context_params", &validate_context_params, "params"_a);
 
     // decode on the native thread; the job holds no reference to the Python handle

@@ -177,7 +177,8 @@ class EngineConfig:
     #: "adaptive": each sequence drafts as many tokens as pay for themselves (see
     #: engine.scheduler.drafting); "fixed": always n_draft_max
     draft_policy: str = "adaptive"
-    #: one KV buffer for all sequences (None: when n_seq <= 16). llama.cpp's per-sequence KV
+    #: one KV buffer for all sequences (None: when n_seq <= 16 and not ``deterministic``).
+    #: llama.cpp's per-sequence KV
     #: streams need consecutive sequence ids and equally many tokens per sequence in a
     #: micro-batch, so uneven [last, drafts...] rows, prompt chunks and idle slots split a
     #: step into several passes; a unified buffer keeps every step one pass but attends over
@@ -196,6 +197,12 @@ class EngineConfig:
     #: the chat template messages are rendered with (Jinja source, or a llama.cpp built-in
     #: name) instead of the model's own (``tokenizer.chat_template``)
     chat_template: str | None = None
+    #: the same request gives the same tokens whatever else is in the batch: the target
+    #: computes every row with one kernel per op for every batch shape, and every sequence
+    #: attends over its own KV stream (a unified buffer interleaves sequences' cells, and
+    #: attention sums a sequence's cells in cell order); greedy speculation then equals no
+    #: speculation token for token. See the README, "Deterministic serving"
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         check(isinstance(self.n_ctx, int) and self.n_ctx >= 16, f"n_ctx must be >= 16, got {self.n_ctx!r}")
@@ -209,6 +216,11 @@ class EngineConfig:
         check(self.draft_policy in ("adaptive", "fixed"), "draft_policy must be 'adaptive' or 'fixed'")
         check(isinstance(self.prefix_cache, bool), "prefix_cache must be a bool")
         check(isinstance(self.preemption, bool), "preemption must be a bool")
+        check(isinstance(self.deterministic, bool), "deterministic must be a bool")
+        check(
+            not (self.deterministic and self.kv_unified),
+            "deterministic needs a KV stream per sequence: leave kv_unified unset (or False)",
+        )
         check(
             self.time_slice is None or (isinstance(self.time_slice, int | float) and self.time_slice > 0),
             "time_slice must be > 0 seconds (or None)",
@@ -246,11 +258,14 @@ class EngineConfig:
             n_batch=self.n_batch,
             threads=self.threads,
             kv_unified=self.unified_kv,
+            batch_invariant=self.deterministic,
         )
 
     @property
     def unified_kv(self) -> bool:
-        return self.kv_unified if self.kv_unified is not None else self.n_seq <= 16
+        if self.kv_unified is not None:
+            return self.kv_unified
+        return self.n_seq <= 16 and not self.deterministic
 
     @property
     def spec(self) -> SpeculativeConfig:

@@ -93,6 +93,11 @@ class ContextConfig:
     #: micro-batch; per-sequence streams (False) need the same number of tokens for every
     #: sequence of a micro-batch, so uneven drafts split a step into several passes.
     kv_unified: bool = False
+    #: compute every row of a batch with the same kernels and reduction order whatever else
+    #: the batch holds (its size, its other sequences, prompt rows or decodes), so a
+    #: sequence's logits do not depend on what it was batched with (the CPU backend's
+    #: reference kernels: slower on batches)
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         for name in ("n_ctx", "n_seq", "n_batch"):
@@ -104,6 +109,7 @@ class ContextConfig:
             self.threads is None or (isinstance(self.threads, int) and self.threads >= 1),
             f"threads must be >= 1 (or None for all cores), got {self.threads!r}",
         )
+        check(isinstance(self.batch_invariant, bool), "batch_invariant must be a bool")
         from .. import _nb_spec
 
         # the size rules live once, natively (the context applies them too)
@@ -121,6 +127,7 @@ class ContextConfig:
         p.n_threads = self.threads or 0  # 0: all cores, natively
         p.embeddings = self.embeddings
         p.kv_unified = self.kv_unified
+        p.batch_invariant = self.batch_invariant
         return p
 
     @property

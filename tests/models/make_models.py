@@ -18,7 +18,8 @@ big-vocab models ``token_embd`` is F16 (``get_rows`` converts it exactly to F32,
 not affect numeric stability) while ``output`` stays F32, which keeps every target under
 ~65 MB.  What llama.cpp requires of each kind of file (metadata keys, tensor shapes) is
 noted at its writer below. ``llama-q8`` stores every matrix as Q8_0 (and ties its output to
-``token_embd``, as Gemma 3 does), so that tests reach the quantized CPU kernels.
+``token_embd``, as Gemma 3 does), so that tests reach the quantized CPU kernels; ``llama-q4``
+the same as Q4_0, which the CPU backend repacks for its gemm/gemv kernels.
 
 "Walk" models: the greedy next token after token t is sigma(t) for a fixed permutation
 sigma of WALK_N ordinary word tokens (" the"-like tokens: 'Ġ' + lowercase letters, never
@@ -53,7 +54,7 @@ from typing import Any
 
 import numpy as np
 
-VERSION = "tiny-gguf-v5"
+VERSION = "tiny-gguf-v6"
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 VENDOR = REPO_ROOT / "vendor" / "llama.cpp"
@@ -223,7 +224,7 @@ def _write_gguf(
     path: pathlib.Path,
     arch: str,
     kv: dict[str, Any],
-    tensors: dict[str, np.ndarray | _Q8_0],
+    tensors: dict[str, np.ndarray | _Quantized],
     voc: Vocab | None,
     vocab_skip: tuple[str, ...] = (),
     extra_kv: Callable[[GGUFWriter], None] | None = None,
@@ -251,8 +252,8 @@ def _write_gguf(
     if extra_kv is not None:
         extra_kv(w)
     for name, arr in tensors.items():
-        if isinstance(arr, _Q8_0):
-            w.add_tensor(name, arr.data, raw_dtype=GGMLQuantizationType.Q8_0)
+        if isinstance(arr, _Quantized):
+            w.add_tensor(name, arr.data, raw_dtype=arr.qtype)
             continue
         assert arr.dtype in (np.float32, np.float16, np.int64), (name, arr.dtype)
         w.add_tensor(name, np.ascontiguousarray(arr))
@@ -263,12 +264,13 @@ def _write_gguf(
     os.replace(tmp, path)
 
 
-class _Q8_0:
-    """A matrix written as Q8_0 (blocks of 32 int8 with an f16 scale, along rows)."""
+class _Quantized:
+    """A matrix written as Q8_0 or Q4_0 (blocks of 32 along rows, each with an f16 scale)."""
 
-    def __init__(self, arr: np.ndarray) -> None:
+    def __init__(self, arr: np.ndarray, qtype: GGMLQuantizationType) -> None:
         assert arr.ndim == 2 and arr.shape[1] % 32 == 0, arr.shape
-        self.data = quantize(np.ascontiguousarray(arr, dtype=np.float32), GGMLQuantizationType.Q8_0)
+        self.qtype = qtype
+        self.data = quantize(np.ascontiguousarray(arr, dtype=np.float32), qtype)
 
 
 def _rng(name: str) -> np.random.Generator:
@@ -414,7 +416,7 @@ def _write_llama(
     head_dtype=np.float32,
     logit_std: float = LOGIT_STD,
     seed_name: str | None = None,
-    q8_0: bool = False,
+    quant: GGMLQuantizationType | None = None,
     chat_template: str | None = None,
 ) -> None:
     rng = _rng(seed_name or name)
@@ -428,9 +430,11 @@ def _write_llama(
         layers = _llama_layers(rng, n_layer, n_embd, n_head, n_head_kv, n_ff, WALK_LAYER_SCALE)
     tensors = {"token_embd.weight": tok, "output_norm.weight": _ones(n_embd), "output.weight": out}
     tensors.update(layers)
-    if q8_0:  # (the output tied to token_embd, as in Gemma 3)
+    if quant is not None:  # (the output tied to token_embd, as in Gemma 3)
         del tensors["output.weight"]
-    written = {k: _Q8_0(v) if q8_0 and v.ndim == 2 else v for k, v in tensors.items()}
+    written = {
+        k: _Quantized(v, quant) if quant is not None and v.ndim == 2 else v for k, v in tensors.items()
+    }
     kv = _base_kv(n_layer, n_embd, n_head, n_head_kv, n_ff)
     kv["{arch}.vocab_size"] = voc.n_vocab
     if chat_template is not None:
@@ -784,7 +788,11 @@ def _builders() -> dict[str, Callable[[pathlib.Path], None]]:
     return {
         # targets and drafts
         "llama": lambda p: _write_llama(p, "llama", L()),
-        "llama-q8": lambda p: _write_llama(p, "llama-q8", L(), q8_0=True),
+        "llama-q8": lambda p: _write_llama(p, "llama-q8", L(), quant=GGMLQuantizationType.Q8_0),
+        # Q4_0 matrices: the CPU repacks them (interleaved rows, gemm and gemv kernels)
+        "llama-q4": lambda p: _write_llama(
+            p, "llama-q4", L(), seed_name="llama-q8", quant=GGMLQuantizationType.Q4_0
+        ),
         # llama's weights with a chat template that calls tools
         "llama-tools": lambda p: _write_llama(
             p, "llama-tools", L(), seed_name="llama", chat_template=TOOLS_TEMPLATE.read_text()
