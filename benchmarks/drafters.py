@@ -14,7 +14,7 @@ almost never (on the tiny random-weight models of ``tests/models``, written on f
   repeats a 4-token key: nothing to draft, what speculation on costs when it finds nothing.
 
 N closed-loop streams (``engine.bench.closed_loop``), greedy, interleaved repeats (off, on,
-off, on, ...); prints the median ratio [min, max] per scenario and N, and writes JSON. A tiny
+on, off, ...: a side that always ran first would be favoured while the machine drifts); prints the median ratio [min, max] per scenario and N, and writes JSON. A tiny
 target generates a 64-token request in about 0.1 s, so a run sends 16N requests (at least 32):
 with ``engine.bench``'s 4N the steady window lasted well under a second and one burst of
 machine noise moved a run by 20 %.
@@ -78,8 +78,8 @@ async def main(args: argparse.Namespace) -> int:
             continue
         for n in [int(x) for x in args.streams.split(",")]:
             runs: list[BenchResult] = []
-            for _ in range(args.repeats):
-                for s in ("none", spec):
+            for rep in range(args.repeats):
+                for s in ("none", spec) if rep % 2 == 0 else (spec, "none"):
                     r = await run_load(
                         config(paths, target, s, draft, n, args),
                         n,

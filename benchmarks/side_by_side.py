@@ -81,6 +81,7 @@ PARTS = [
         "http.md",
         "http_overhead.md",
         "scale_out.md",
+        "deterministic.md",  # (benchmarks/deterministic.py)
     )  # (http_serving.py --sides inproc,ours)
 ]
 

@@ -223,6 +223,9 @@ Context::Context(std::shared_ptr<Model> model, const ContextParams & params, std
     cp.ctx_type = params.kind == ContextKind::Mtp ? LLAMA_CONTEXT_TYPE_MTP : LLAMA_CONTEXT_TYPE_DEFAULT;
     cp.embeddings = params.embeddings;
     cp.kv_unified = params.kv_unified;
+    // a GPU build offloads the matrix products of large batches even for CPU weights: not
+    // with batch invariance, whose kernels are the CPU's
+    cp.op_offload = !params.batch_invariant;
     cp.no_perf = false;
     cp.ctx_other = other_ ? other_->get() : nullptr;
     ctx_ = llama_init_from_model(model_->get(), cp);

@@ -1,5 +1,6 @@
 """What the engine's tests share: an engine config over the test models, the drafter
-parity table, and checks that wait for the engine (it acts between steps)."""
+parity table, checks that wait for the engine (it acts between steps), and one-token rows
+of many sequences decoded together at the context level."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import anyio
+import numpy as np
 import pytest
 
 from engine import Engine, EngineConfig, SpeculativeConfig
+from engine.session import Batch, Context, ContextConfig, Model
 
 
 @pytest.fixture(name="anyio_backend", params=["asyncio", "trio"])
@@ -89,3 +92,31 @@ PARITY = [
     ("mtp", "walk-qwen35-mtp", None, "mtp", {}),  # always right
     ("ngram", "walk-llama-cycle6", None, "ngram-simple", {"ngram_size_n": 2, "ngram_size_m": 4}),
 ]
+
+
+class OneTokenRows:
+    """``n_seq`` sequences with random ``hist``-token histories in one unified KV cache;
+    calling it with some of them decodes each one's next token in one batch and returns
+    their logits (the rows are removed again, so any subset can follow)."""
+
+    def __init__(self, model: Model, n_seq: int, hist: int, seed: int, **context: object) -> None:
+        rng = np.random.default_rng(seed)
+        histories = [rng.integers(10, model.n_vocab, hist).tolist() for _ in range(n_seq)]
+        self.tokens = rng.integers(10, model.n_vocab, n_seq).tolist()
+        self.hist = hist
+        config = ContextConfig(n_ctx=32 * n_seq, n_seq=n_seq, n_batch=512, kv_unified=True, **context)  # type: ignore[arg-type]
+        self.ctx = Context.create(model, config)
+        for s in range(n_seq):
+            b = Batch()
+            b.add_sequence(histories[s], 0, s, logits="none")
+            self.ctx.decode(b)
+
+    def __call__(self, seqs: range) -> np.ndarray:
+        b = Batch()
+        for s in seqs:
+            b.add(self.tokens[s], self.hist, s, True)
+        self.ctx.decode(b)
+        got = self.ctx.logits.copy()
+        for s in seqs:
+            self.ctx.kv_remove(s, self.hist, None)
+        return got

@@ -26,7 +26,7 @@ from engine import Engine, EngineConfig, SamplingParams
 from engine.session import Batch, Context, ContextConfig, InvalidConfigError
 from engine.session.checkpoint import unpack
 from tests.conftest import ModelCache
-from tests.helpers import config
+from tests.helpers import OneTokenRows, config
 
 KERNEL_MODELS = ["llama", "llama-q8", "llama-q4"]
 
@@ -35,31 +35,8 @@ def _rows_alone_and_batched(m, invariant: bool) -> list[bool]:  # type: ignore[n
     """For n in 1..64: do n sequences' one-token rows, decoded together, give the logits
     each gave alone? (64 sequences of 12 tokens in one unified cache: 768 cells, so a lone
     row takes flash attention's KV split, and 64 rows its tiles.)"""
-    n_seq, hist = 64, 12
-    rng = np.random.default_rng(7)
-    histories = [rng.integers(10, m.n_vocab, hist).tolist() for _ in range(n_seq)]
-    tokens = rng.integers(10, m.n_vocab, n_seq).tolist()
-    ctx = Context.create(
-        m,
-        ContextConfig(
-            n_ctx=16 * 2 * n_seq, n_seq=n_seq, n_batch=512, kv_unified=True, batch_invariant=invariant
-        ),
-    )
-    for s in range(n_seq):
-        b = Batch()
-        b.add_sequence(histories[s], 0, s, logits="none")
-        ctx.decode(b)
-
-    def step(seqs: range) -> np.ndarray:
-        b = Batch()
-        for s in seqs:
-            b.add(tokens[s], hist, s, True)
-        ctx.decode(b)
-        got = ctx.logits.copy()
-        for s in seqs:
-            ctx.kv_remove(s, hist, None)
-        return got
-
+    n_seq = 64
+    step = OneTokenRows(m, n_seq, hist=12, seed=7, batch_invariant=invariant)
     alone = np.concatenate([step(range(s, s + 1)) for s in range(n_seq)])
     return [bool(np.array_equal(step(range(n)), alone[:n])) for n in range(1, n_seq + 1)]
 
@@ -243,9 +220,52 @@ async def test_seeded_sampling_gives_the_same_tokens_under_any_concurrency(
     assert [o.token_ids for o in outs] == alone
 
 
-def test_deterministic_needs_a_kv_stream_per_sequence(model_paths: dict[str, Path]) -> None:
+def test_deterministic_takes_a_kv_stream_per_sequence_and_the_cpu(model_paths: dict[str, Path]) -> None:
     """A unified KV cache interleaves the sequences' cells, and attention sums a sequence's
-    cells in cell order: the option picks per-sequence streams, and refuses a unified cache."""
+    cells in cell order (see below): the option picks per-sequence streams and refuses a
+    unified cache; its kernels are the CPU's, so it refuses GPU layers."""
     assert not config(model_paths, "llama", deterministic=True).unified_kv
     with pytest.raises(InvalidConfigError, match="kv_unified"):
         config(model_paths, "llama", deterministic=True, kv_unified=True)
+    with pytest.raises(InvalidConfigError, match="n_gpu_layers"):
+        config(model_paths, "llama", deterministic=True, n_gpu_layers=99)
+
+
+def _logits_after_a_hole(m, unified: bool) -> tuple[np.ndarray, np.ndarray]:  # type: ignore[no-untyped-def]
+    """A sequence's last 8 logits rows decoded one token at a time: first alone from cell 0,
+    then after another sequence freed the cells before it, so that (in a unified cache) its
+    later tokens land in cells below its earlier ones."""
+    tokens = np.random.default_rng(5).integers(10, m.n_vocab, 24).tolist()
+
+    def run(hole: bool) -> np.ndarray:
+        ctx = Context.create(
+            m, ContextConfig(n_ctx=256, n_seq=2, n_batch=64, kv_unified=unified, batch_invariant=True)
+        )
+        if hole:
+            b = Batch()
+            b.add_sequence(tokens[:16], 0, 1, logits="none")  # cells 0-15 (unified)
+            ctx.decode(b)
+        rows = []
+        for i, t in enumerate(tokens):
+            if hole and i == 12:
+                ctx.kv_remove(1, 0, None)  # frees cells 0-15: the next tokens go there
+            b = Batch()
+            b.add(t, i, 0, True)
+            ctx.decode(b)
+            rows.append(ctx.logits.copy())
+        return np.concatenate(rows[-8:])
+
+    return run(False), run(True)
+
+
+def test_a_sequence_whose_cells_are_out_of_order_attends_differently_in_a_unified_cache(
+    models: ModelCache,
+) -> None:
+    """Why the option takes a KV stream per sequence: attention sums a sequence's cells in
+    cell order, and in a unified cache that order depends on what other sequences freed.
+    With a stream of its own the sequence's cells stay in position order."""
+    m = models("llama")
+    in_order, out_of_order = _logits_after_a_hole(m, unified=True)
+    assert not np.array_equal(in_order, out_of_order)
+    alone, after_hole = _logits_after_a_hole(m, unified=False)
+    assert np.array_equal(alone, after_hole)

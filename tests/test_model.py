@@ -18,6 +18,7 @@ from engine.session import (
     Runtime,
 )
 from tests.conftest import ModelCache
+from tests.helpers import OneTokenRows
 
 
 def test_metadata_and_vocab(models: ModelCache) -> None:
@@ -175,27 +176,8 @@ def test_a_q8_0_target_gives_every_batch_size_the_same_logits(models: ModelCache
     over the weights as the whole ones: the logits of sequences decoded in batches of 5, 6,
     7, 17, 18 and 19 rows (a partial tile of 1, 2 and 3 rows) equal, bit for bit, those of
     the same sequences decoded four at a time."""
-    m = models("llama-q8")
-    n_seq, hist = 20, 12
-    rng = np.random.default_rng(11)
-    histories = [rng.integers(10, m.n_vocab, hist).tolist() for _ in range(n_seq)]
-    tokens = rng.integers(10, m.n_vocab, n_seq).tolist()
-    ctx = Context.create(m, ContextConfig(n_ctx=32 * n_seq, n_seq=n_seq, n_batch=512, kv_unified=True))
-    for s in range(n_seq):
-        b = Batch()
-        b.add_sequence(histories[s], 0, s, logits="none")
-        ctx.decode(b)
-
-    def step(seqs: range) -> np.ndarray:
-        b = Batch()
-        for s in seqs:
-            b.add(tokens[s], hist, s, True)
-        ctx.decode(b)
-        got = ctx.logits.copy()
-        for s in seqs:
-            ctx.kv_remove(s, hist, None)
-        return got
-
+    n_seq = 20
+    step = OneTokenRows(models("llama-q8"), n_seq, hist=12, seed=11)
     expected = np.concatenate([step(range(i, i + 4)) for i in range(0, n_seq, 4)])
     for n in (5, 6, 7, 17, 18, 19):
         np.testing.assert_array_equal(step(range(n)), expected[:n], err_msg=f"{n} rows")

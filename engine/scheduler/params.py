@@ -222,6 +222,10 @@ class EngineConfig:
             "deterministic needs a KV stream per sequence: leave kv_unified unset (or False)",
         )
         check(
+            not (self.deterministic and self.n_gpu_layers),
+            "deterministic runs the target on the CPU (its batch-invariant kernels): n_gpu_layers must be 0",
+        )
+        check(
             self.time_slice is None or (isinstance(self.time_slice, int | float) and self.time_slice > 0),
             "time_slice must be > 0 seconds (or None)",
         )
