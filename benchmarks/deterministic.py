@@ -220,7 +220,9 @@ def render(report: dict) -> str:
         f"`python benchmarks/deterministic.py` ({report['model']}, {report['machine']}, {report['date'][:10]}). "
         "`EngineConfig(deterministic=True)` (`--deterministic`): the target computes every row with one "
         "kernel per op whatever the batch holds (vendor/patches/0010) and every sequence attends over its "
-        "own KV stream.",
+        "own KV stream. What it promises holds for one build on one CPU family: another CPU takes other "
+        "kernels (the same pinned build gave other greedy tokens on an Intel Xeon than on an AMD EPYC), "
+        "and GPU layers are refused under the option.",
         "",
         "What made a row's result depend on its batch, each shown by a test in "
         "`tests/test_deterministic.py` that fails without the option:",
