@@ -178,11 +178,11 @@ class EngineConfig:
     #: engine.scheduler.drafting); "fixed": always n_draft_max
     draft_policy: str = "adaptive"
     #: one KV buffer for all sequences (None: when n_seq <= 16 and not ``deterministic``).
-    #: llama.cpp's per-sequence KV
-    #: streams need consecutive sequence ids and equally many tokens per sequence in a
-    #: micro-batch, so uneven [last, drafts...] rows, prompt chunks and idle slots split a
-    #: step into several passes; a unified buffer keeps every step one pass but attends over
-    #: all sequences' cells, which costs more than the split once many long sequences share it.
+    #: llama.cpp's per-sequence KV streams need consecutive sequence ids and equally many
+    #: tokens per sequence in a micro-batch, so uneven [last, drafts...] rows, prompt chunks
+    #: and idle slots split a step into several passes; a unified buffer keeps every step one
+    #: pass but attends over all sequences' cells, which costs more than the split once many
+    #: long sequences share it.
     kv_unified: bool | None = None
     #: keep a finished request's sequence in its slot's KV cache and give a new request the
     #: slot holding its longest prefix (prefilling only the rest); off for recurrent/hybrid
@@ -201,7 +201,7 @@ class EngineConfig:
     #: computes every row with one kernel per op for every batch shape, and every sequence
     #: attends over its own KV stream (a unified buffer interleaves sequences' cells, and
     #: attention sums a sequence's cells in cell order); greedy speculation then equals no
-    #: speculation token for token. See the README, "Deterministic serving"
+    #: speculation token for token (the README's "Deterministic serving")
     deterministic: bool = False
 
     def __post_init__(self) -> None:

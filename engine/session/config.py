@@ -96,7 +96,7 @@ class ContextConfig:
     #: compute every row of a batch with the same kernels and reduction order whatever else
     #: the batch holds (its size, its other sequences, prompt rows or decodes), so a
     #: sequence's logits do not depend on what it was batched with (the CPU backend's
-    #: reference kernels: slower on batches)
+    #: batch-invariant mode, vendor/patches/0010: a few % slower)
     batch_invariant: bool = False
 
     def __post_init__(self) -> None:
