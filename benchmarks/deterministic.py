@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime
 import json
 import shlex
@@ -35,87 +36,55 @@ INVARIANCE_SETS = ("chat", "code", "copy", "heldout", "edits", "summaries", "mix
 
 
 def invariance_prompts(n: int) -> list[str]:
+    """``n`` prompts from every set, in turn (repeated when the sets hold fewer)."""
     prompts = [p for name in INVARIANCE_SETS for p in PROMPT_SETS[name]]
-    return (prompts * (n // len(prompts) + 1))[:n] if len(prompts) < n else prompts[:n]
+    return [prompts[i % len(prompts)] for i in range(n)]
 
 
-async def _outputs(
-    config: EngineConfig, prompts: list[str], params: SamplingParams, solo: bool
-) -> list[list[int]]:
+async def _solo_outputs(config: EngineConfig, prompts: list, params: SamplingParams) -> list[list[int]]:
+    """Each prompt's tokens, one request after another."""
     async with Engine(config) as engine:
-        if solo:
-            return [(await engine.generate(p, params)).token_ids for p in prompts]
-        outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
-        return [o.token_ids for o in outs]
+        return [(await engine.generate(p, params)).token_ids for p in prompts]
 
 
 async def invariance(model: Path, n_prompts: int, max_tokens: int, n_seqs: list[int]) -> list[dict]:
     """Per setting: outputs served together (n-gram drafts) that equal the solo run, with the
     prefix cache off, on (first round) and on again (every prompt's prefix cached), and with
-    preemption at almost every step."""
+    preemption at almost every step (4 sequences, a 0.05 s time slice)."""
     prompts = invariance_prompts(n_prompts)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    # (n_seq, prefix cache, time slice): None keeps the engine's default
+    settings = [(n, cache, None) for n in n_seqs for cache in (False, True)] + [(4, False, 0.05)]
     rows = []
     for det in (True, False):
         base = EngineConfig(model=model, n_seq=1, prefix_cache=False, deterministic=det)
-        solo = await _outputs(base, prompts, params, solo=True)
-
-        def same(outs: list[list[int]], solo: list[list[int]] = solo) -> int:
-            return sum(a == b for a, b in zip(outs, solo, strict=True))
-
-        for n_seq in n_seqs:
-            for cache in (False, True):
-                cfg = EngineConfig(
-                    model=model,
+        solo = await _solo_outputs(base, prompts, params)
+        for n_seq, cache, time_slice in settings:
+            cfg = EngineConfig(
+                model=model, n_seq=n_seq, speculative="ngram-simple", prefix_cache=cache, deterministic=det
+            )
+            if time_slice is not None:
+                cfg = dataclasses.replace(cfg, time_slice=time_slice)
+            async with Engine(cfg) as engine:
+                t0 = time.perf_counter()
+                rounds = []
+                for _ in range(2 if cache else 1):
+                    outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+                    rounds.append(sum(o.token_ids == s for o, s in zip(outs, solo, strict=True)))
+                row = dict(
+                    deterministic=det,
                     n_seq=n_seq,
-                    speculative="ngram-simple",
                     prefix_cache=cache,
-                    deterministic=det,
-                )
-                async with Engine(cfg) as engine:
-                    t0 = time.perf_counter()
-                    rounds = []
-                    for _ in range(2 if cache else 1):
-                        outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
-                        rounds.append(same([o.token_ids for o in outs]))
-                    drafted = engine.metrics.drafted
-                    seconds = time.perf_counter() - t0
-                rows.append(
-                    dict(
-                        deterministic=det,
-                        n_seq=n_seq,
-                        prefix_cache=cache,
-                        preemption=False,
-                        equal=rounds,
-                        prompts=len(prompts),
-                        drafted=drafted,
-                        seconds=round(seconds, 1),
-                    )
-                )
-                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-        cfg = EngineConfig(
-            model=model,
-            n_seq=4,
-            speculative="ngram-simple",
-            deterministic=det,
-            time_slice=0.05,
-            prefix_cache=False,
-        )
-        async with Engine(cfg) as engine:
-            outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
-            rows.append(
-                dict(
-                    deterministic=det,
-                    n_seq=4,
-                    prefix_cache=False,
-                    preemption=True,
-                    preemptions=engine.metrics.preemptions,
-                    equal=[same([o.token_ids for o in outs])],
+                    preemption=time_slice is not None,
+                    equal=rounds,
                     prompts=len(prompts),
                     drafted=engine.metrics.drafted,
+                    seconds=round(time.perf_counter() - t0, 1),
                 )
-            )
-            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+                if time_slice is not None:
+                    row["preemptions"] = engine.metrics.preemptions
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
     return rows
 
 
@@ -137,7 +106,7 @@ async def against_server(model: Path, n_prompts: int, max_tokens: int, threads: 
     out: dict = {"prompts": len(ids), "server_command": command}
     for det in (False, True):
         cfg = EngineConfig(model=model, n_seq=1, prefix_cache=False, deterministic=det, threads=threads)
-        ours = await _outputs(cfg, ids, params, solo=True)  # type: ignore[arg-type]
+        ours = await _solo_outputs(cfg, ids, params)
         first = [
             next((i for i, (a, b) in enumerate(zip(x, y or [], strict=False)) if a != b), None)
             for x, y in zip(ours, server, strict=True)
@@ -338,7 +307,7 @@ async def main() -> int:
     report: dict = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "model": model.name,
-        "machine": f"{machine_info()['cpu']}, {machine_info()['cores']} cores",
+        "machine": "{cpu}, {cores} cores".format(**machine_info()),
         "command": shlex.join(["python", "benchmarks/deterministic.py", *sys.argv[1:]]),
         "max_tokens": args.max_tokens,
         "max_tokens_invariance": args.invariance_tokens,
