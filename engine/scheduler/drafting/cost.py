@@ -146,8 +146,10 @@ class StepCost:
     #: the calibrated curve for 1, 2, ... rows, computed once (extended as needed): the
     #: policy reads it for every candidate of a step
     _table: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False, compare=False)
-    _reaches: dict[int, list[float]] = field(default_factory=dict, repr=False, compare=False)  #: _reach
-    _effective: np.ndarray | None = field(default=None, repr=False, compare=False)  #: _scale_grid
+    _steps: dict[int, tuple[float, list[tuple[int, float]]]] = field(
+        default_factory=dict, repr=False, compare=False
+    )  #: _at
+    _effective: list[float] | None = field(default=None, repr=False, compare=False)  #: _scale_grid
 
     @property
     def calibrated(self) -> bool:
@@ -183,7 +185,7 @@ class StepCost:
         self.small = [got[r] if r in got else between(r) for r in range(1, min(max_rows, 8) + 1)]
         self.tiles = [(r, got[r]) for r in (4, 8) if r in got]
         self.tiles += [(r, best_of_two(r)) for r in (16, 32, 64, 128) if r <= max_rows]
-        self._table = np.zeros(0)
+        self._table, self._steps = np.zeros(0), {}
         chunk = 32
         self.prompt_token = max(0.0, (best_of_two(1, chunk) - self.small[0]) / chunk)
         misaligned = [n for n in range(1, 33) if n % self.align]
@@ -239,7 +241,13 @@ class StepCost:
 
     def scale(self, rows: float) -> float:
         """Observed ÷ calibrated at ``rows`` (interpolated on the log2 grid)."""
-        return float(self.scales(np.asarray(float(rows))))
+        # (every step asks once: plain floats, numpy's per-call overhead is most of the work)
+        top = len(self.grid) - 1
+        u = min(math.log2(rows), top) if rows > 1.0 else 0.0
+        i = min(int(u), top - 1)
+        f = u - i
+        grid = self._scale_grid()
+        return grid[i] * (1.0 - f) + grid[i + 1] * f
 
     def scales(self, rows: np.ndarray) -> np.ndarray:
         """:meth:`scale` at each of ``rows``."""
@@ -247,11 +255,11 @@ class StepCost:
         u = np.clip(np.log2(np.maximum(rows, 1.0)), 0.0, top)
         i = np.minimum(u.astype(np.intp), top - 1)
         f = u - i
-        grid = self._scale_grid()
+        grid = np.asarray(self._scale_grid())
         out: np.ndarray = grid[i] * (1.0 - f) + grid[i + 1] * f
         return out
 
-    def _scale_grid(self) -> np.ndarray:
+    def _scale_grid(self) -> list[float]:
         """The grid as priced: a size seen little takes the factor of the sizes below it,
         its own only as it is seen. The size seen most (a step without drafts) learns the
         load first; a size seen rarely (a step of many drafts) must not keep the
@@ -261,7 +269,7 @@ class StepCost:
             for g, seen in zip(self.grid, self.evidence, strict=True):
                 below = (seen * g + below) / (seen + 1.0)  # (the sizes below count as one step)
                 out.append(below)
-            self._effective = np.array(out)
+            self._effective = out
         return self._effective
 
     def _interpolate(self, rows: float) -> float:
@@ -275,38 +283,38 @@ class StepCost:
         tokens' scale when they made most of the step."""
         if not (self.calibrated and rows > 0 and seconds > 0):
             return
-        base = self._interpolate(rows)
+        base, reach = self._at(rows)
         chunk = self.prompt_scale * prompt * self.prompt_token
         if not self.grid_seen:  # (the first step sets every size: nothing better is known)
             self.grid = [seconds / (base + chunk)] * len(self.grid)
             self.grid_seen, self._effective = True, None
             return
         lr = _LEARNING_RATE
-        if chunk <= 0.25 * self.scale(rows) * base:
+        if not chunk or chunk <= 0.25 * self.scale(rows) * base:
             # (the mean of a point's steps, weighed by their reach, until recent steps
             # weigh more: a size seen rarely learns from the few there are)
             ratio = max(seconds - chunk, 0.0) / base
-            for j, w in enumerate(self._reach(rows)):
-                if w:
-                    self.evidence[j] += w
-                    self.grid[j] += w * max(lr, 1.0 / self.evidence[j]) * (ratio - self.grid[j])
+            grid, evidence = self.grid, self.evidence
+            for j, w in reach:
+                evidence[j] += w
+                grid[j] += w * max(lr, 1.0 / evidence[j]) * (ratio - grid[j])
             self._effective = None
         else:
             ratio = (seconds - self.scale(rows) * base) / (prompt * self.prompt_token)
             self.prompt_scale += lr * (min(max(ratio, 0.2), 5.0) - self.prompt_scale)
 
-    def _reach(self, rows: int) -> list[float]:
-        """How far a step of ``rows`` moves each grid point: fully at its own size, a quarter
-        one octave away, not at all from two octaves on (a size that far is priced from the
-        sizes below it until it is seen: steps without drafts must not teach the sizes only
-        drafts make). Every step asks: kept per row count."""
-        reach = self._reaches.get(rows)
-        if reach is None:
+    def _at(self, rows: int) -> tuple[float, list[tuple[int, float]]]:
+        """A step of ``rows``: its calibrated seconds, and how far it moves each grid point
+        it moves, as (point, weight): fully at its own size, a quarter one octave away, not
+        at all from two octaves on (a size that far is priced from the sizes below it until
+        it is seen: steps without drafts must not teach the sizes only drafts make). Every
+        step asks: kept per row count."""
+        at = self._steps.get(rows)
+        if at is None:
             u = min(math.log2(rows), len(self.grid) - 1.0)
-            reach = self._reaches[rows] = [
-                4.0 ** -abs(u - j) if abs(u - j) < 2 else 0.0 for j in range(len(self.grid))
-            ]
-        return reach
+            reach = [(j, 4.0 ** -abs(u - j)) for j in range(len(self.grid)) if abs(u - j) < 2]
+            at = self._steps[rows] = (self._interpolate(rows), reach)
+        return at
 
     def draft(self, k: int, n: int) -> float:
         return float(self.drafts(np.asarray(k), np.asarray(n)))

@@ -131,7 +131,10 @@ class _Realized:
 class _Idle(NamedTuple):
     """A choice of no drafts, standing (see :attr:`Tuning.recheck_every`)."""
 
-    version: int  #: the engine's statistics when it was searched
+    #: the engine's verifications in which the drafter produced a token, when it was
+    #: searched: one that produced nothing (an n-gram probe without a match) adds no
+    #: evidence that drafts would pay
+    matched: int
     n: int  #: sequences decoding then
     steps: int  #: steps it has stood
     stands: int  #: steps it stands before it is searched again
@@ -164,6 +167,7 @@ class Tuning:
     margin: float = 0.05
     prior_weight: float = 3.0  #: how many verifications the engine-wide prior is worth
     #: steps between probes; doubles (up to ``max_probe_every``) with each probe rejected
+    #: or not drafted
     probe_every: int = 32
     max_probe_every: int = 1024
     #: steps a choice of no drafts stands while nothing it rests on changed (see
@@ -240,6 +244,9 @@ class DraftPolicy:
         fitting in its batch beside the prompts (shortest drafts kept first)."""
         n = len(decoding)
         probe = step // self.probe_every % n if n and step % self.probe_every == 0 else -1
+        if probe < 0 and self._none_stands(n):  # (most steps of an idle drafter: nothing to weigh)
+            self.chosen, self.probed, self._taken = (0.0, 0.0, 0, 0, 0), None, None
+            return Drafts([0] * n, [0] * n, None)
         catch_up = self.sync is DrafterSync.CATCH_UP
         seqs = [
             Drafting(
@@ -276,27 +283,26 @@ class DraftPolicy:
     def observe(self, work: Sequence[WorkItem], result: Any) -> None:
         """A native step's result (``_nb_spec.StepResult``): each verification, a probe's
         outcome, and what the step cost."""
-        outputs = {out.seq: out for out in result.outputs}
+        outs = result.outputs  # (each read of it builds a new list)
+        outputs = {out.seq: out for out in outs}
         for w in work:
             out = outputs.get(w.request.slot) if w.sample else None
             if out is None or w.n_draft == 0:
                 continue
-            if w.probe and out.drafted:
-                self.observe_probe(out.accepted > 0)
+            if w.probe:  # (a drafter that produced nothing has nothing right to show either)
+                self.observe_probe(out.drafted > 0 and out.accepted > 0)
             stats = w.request.draft_stats
             if out.drafted < out.produced:  # the step dropped a partial tile: later positions unseen
                 self.observe_verification(stats, out.drafted, out.drafted, out.accepted)
             else:  # (fillers past what the drafter produced may be accepted too: not its merit)
                 self.observe_verification(stats, w.n_draft, out.produced, min(out.accepted, out.produced))
         if result.n_decode_calls == 1:  # (several: a batch over n_batch, or a retry)
-            rows = sum(1 + out.drafted for out in result.outputs)  # the rows that needed logits
-            produced = [out.produced for out in result.outputs if out.produced]
+            rows = sum(1 + out.drafted for out in outs)  # the rows that needed logits
+            produced = [out.produced for out in outs if out.produced]
             taken, self._taken = self._taken, None
             if taken is not None and result.n_batch_tokens == rows:  # (a prompt chunk: not priced)
                 probes = {w.request.slot for w in work if w.probe}  # (not part of the choice)
-                accepted = sum(
-                    min(out.accepted, out.produced) for out in result.outputs if out.seq not in probes
-                )
+                accepted = sum(min(out.accepted, out.produced) for out in outs if out.seq not in probes)
                 t = (result.t_decode_us - result.t_process_us + result.t_draft_us) / 1e6
                 realized, gain, seconds = taken
                 realized.add(accepted, gain, t, seconds)
@@ -346,21 +352,44 @@ class DraftPolicy:
             price = self._matching[n, self.k_cap]
             self._idle, self._taken = None, (self._realized, price.gain, price.seconds)
             return [s.max_k for s in seqs]
-        idle, version = self._idle, self.engine.version
-        if idle is not None and idle.version == version and n >= idle.n and idle.steps < idle.stands:
-            self._idle = idle._replace(steps=idle.steps + 1)  # (longer catch-ups, shorter caps: still none)
+        if self._idle_stands(n):
             ks = [0] * n
         else:
+            idle = self._idle
             ks = self._optimise(seqs)
             t = self.tuning
             stands = t.recheck_every if idle is None else min(2 * idle.stands, t.max_recheck_every)
-            self._idle = None if any(ks) else _Idle(version, n, 1, stands)
+            self._idle = None if any(ks) else _Idle(self.engine.matched, n, 1, stands)
         if self.uniform:
             return ks
         for i, (k, s) in enumerate(zip(ks, seqs, strict=True)):
             if s.probe and s.max_k > 0 and k == 0 and self._could_pay(n, s):
                 ks[i], self.probed = 1, i
         return ks
+
+    def _idle_stands(self, n: int) -> bool:
+        """Whether the last choice of no drafts stands for this step of ``n`` decoding
+        sequences (and counts the step): nothing it rested on changed but the catch-ups
+        grown and the caps shrunk, which make drafts no better."""
+        idle = self._idle
+        if idle is None or idle.matched != self.engine.matched or n < idle.n or idle.steps >= idle.stands:
+            return False
+        self._idle = idle._replace(steps=idle.steps + 1)
+        return True
+
+    def _none_stands(self, n: int) -> bool:
+        """Whether this step's choice is no drafts, known without weighing a draft: the
+        stream drafter's gate is closed, or no drafts stands (:meth:`_idle_stands`) and, for
+        an n-gram drafter, drafting every match was priced not to pay and the price stands."""
+        if not (self.adaptive and n):
+            return False
+        if self.sync is DrafterSync.STREAM and not self.gate.open:
+            return True
+        if self.every_match and not self.uniform:
+            known = self._matching.get((n, self.k_cap))
+            if known is None or known.pays or not self._price_stands(known, n):
+                return False
+        return self._idle_stands(n)
 
     def _optimise(self, seqs: Sequence[Drafting]) -> list[int]:
         # (runs on the event loop between two target decodes: the candidates are searched
@@ -411,13 +440,8 @@ class DraftPolicy:
         # keeps asking.)
         e, version = self.engine, self.engine.version
         known = self._matching.get((n, k))
-        if known is not None:
-            if e.rejected != known.rejected:
-                life = n
-            else:
-                life = max(8 * n, 32) * (1 if e.matched != known.matched else self.tuning.unmatched_life)
-            if version - known.version < life:
-                return known.pays
+        if known is not None and self._price_stands(known, n):
+            return known.pays
         w = _FIRST_WEIGHT
         matches = e.count(_PRODUCED, 1)
         match = min(max((matches + w * _FIRST[0]) / (e.count(_REQUESTED, 1) + w), 1e-9), 1.0 - 1e-9)
@@ -439,6 +463,16 @@ class DraftPolicy:
         if not pays:
             self._realized.age()
         return pays
+
+    def _price_stands(self, known: _Price, n: int) -> bool:
+        """Whether a price of drafting every match for ``n`` sequences still stands (see
+        :meth:`_every_match_pays`)."""
+        e = self.engine
+        if e.rejected != known.rejected:
+            life = n
+        else:
+            life = max(8 * n, 32) * (1 if e.matched != known.matched else self.tuning.unmatched_life)
+        return e.version - known.version < life
 
     def _row(self, n: int) -> float:
         """Seconds one more row adds to a step of ``n`` decoding sequences (the mean over
