@@ -89,19 +89,19 @@ def render() -> str:
     if not order:
         raise SystemExit(f"no runs under {RUNS.relative_to(ROOT)}: measure first")
     first = reports[order[0]][0]
-    machine = first["machine"]
-    if isinstance(machine, dict):
-        machine = f"{machine.get('cpu', '?')}, {machine.get('cores', '?')} cores"
+    machines = sorted({_machine(r) for runs in reports.values() for r in runs})
     lines = [
         "## Prompts nobody tuned for",
         "",
-        f"`python benchmarks/prompt_sets.py` ({first['model']}, {machine}, "
+        f"`python benchmarks/prompt_sets.py` ({first['model']}, {' or '.join(machines)} (each run "
+        "below names its machine; a row's repeats all ran on one), "
         f"{first['settings']['max_tokens']} greedy tokens a request, 4N requests (at least 8) per N, "
         f"from {LONG_FROM} streams on the number given in the row's command, "
         "end-of-generation ignored): speculation on (`--spec` below, the engine's defaults: "
         "16-token drafts, 4-token n-gram keys) ÷ off, each run's steady-state tok/s; the ratio is "
         "the median [min, max] of the paired interleaved repeats, `drafted / accepted` the median "
-        "on-run's. The first set was kept out of all tuning of the draft policy. Runs from "
+        "on-run's. The first set was kept out of all tuning of the draft policy. Rows of different "
+        'dates ran different versions of the policy (BENCHMARKS.md, "Speculation: notes on the runs"). Runs from '
         "2026-12-04 on alternate which side goes first (off, on, on, off, ...); earlier ones ran "
         "off first in every repeat, which favours off while the machine slows down over a run "
         "(the held-out 16-stream row was 0.92x [0.88, 0.99] that way on 2026-12-03, 0.99x "
@@ -116,9 +116,17 @@ def render() -> str:
     for name in order:
         lines.append(f"- `{name}`: {ABOUT.get(name, 'a prompt file')}:")
         lines += [
-            f"  - ran {r['date']}: `{r['command']}`" for r in sorted(reports[name], key=lambda r: r["date"])
+            f"  - ran {r['date']} on {_machine(r)}: `{r['command']}`"
+            for r in sorted(reports[name], key=lambda r: r["date"])
         ]
     return "\n".join(lines) + "\n"
+
+
+def _machine(report: dict) -> str:
+    machine = report["machine"]
+    if isinstance(machine, dict):
+        return f"{machine.get('cpu', '?')}, {machine.get('cores', '?')} cores"
+    return str(machine)
 
 
 def main() -> None:

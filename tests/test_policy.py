@@ -226,9 +226,11 @@ def test_no_drafts_when_they_cannot_pay() -> None:
 
 def test_a_choice_of_none_stands_while_nothing_it_rests_on_changed() -> None:
     """Steps that draft nothing pay for no optimisation: requests ending and fresh ones
-    joining keep the choice; a verification anywhere, fewer sequences decoding, or
-    ``recheck_every`` steps reopen it, each search in a row that again chooses none doubling
-    the wait (up to ``max_recheck_every``); a choice of drafts starts it over."""
+    joining keep the choice, and so does a verification in which the drafter produced
+    nothing (an n-gram probe without a match); one in which it produced a token, fewer
+    sequences decoding, or ``recheck_every`` steps reopen it, each search in a row that again
+    chooses none doubling the wait (up to ``max_recheck_every``); a choice of drafts starts
+    it over."""
     policy = DraftPolicy(cost=linear_cost(0.010, 0.004), tuning=Tuning(recheck_every=4, max_recheck_every=16))
     searches = []
     search = policy._optimise
@@ -240,6 +242,9 @@ def test_a_choice_of_none_stands_while_nothing_it_rests_on_changed() -> None:
         )
     assert searches == [16]
     assert policy.lengths(old[:15]) == [0] * 15  # one fewer decodes: searched again (stands 8)
+    assert searches == [16, 15]
+    policy.observe_verification(old[0].stats, 1, 0, 0)  # a probe the drafter found nothing for
+    assert policy.lengths(old[:15]) == [0] * 15
     assert searches == [16, 15]
     policy.observe_verification(old[0].stats, 1, 1, 0)  # a probe was verified
     policy.lengths(old)
@@ -608,3 +613,61 @@ def test_rejected_probes_back_off_and_hopeless_ones_are_not_made() -> None:
     # drafting costs more than a right draft brings: no probe
     policy.cost.observe_draft(1, 1, 0.5)
     assert policy.lengths([Drafting(stats, 4, probe=True)]) == [0] and policy.probed is None
+
+
+def _step(policy: DraftPolicy, work: list[SimpleNamespace], drafted: int) -> None:
+    """``policy.observe`` of a one-decode step of ``work`` in which each sequence's drafter
+    produced ``drafted`` tokens, none accepted."""
+    outputs = [
+        SimpleNamespace(seq=w.request.slot, drafted=drafted, produced=drafted, accepted=0) for w in work
+    ]
+    policy.observe(
+        work,
+        SimpleNamespace(
+            outputs=outputs,
+            n_decode_calls=1,
+            n_batch_tokens=len(work) * (1 + drafted),
+            t_decode_us=20_000,
+            t_process_us=0,
+            t_draft_us=0,
+            n_sync_tokens=0,
+            t_catch_up_us=0,
+        ),
+    )
+
+
+def test_a_probe_that_drafted_nothing_backs_off_as_a_rejected_one() -> None:
+    policy = DraftPolicy(cost=linear_cost(0.020, 0.004))
+    request = SimpleNamespace(slot=0, draft_stats=DraftStats())
+    probe = [SimpleNamespace(request=request, sample=True, n_draft=1, probe=True)]
+    _step(policy, probe, drafted=0)
+    assert policy.probe_every == 2 * policy.tuning.probe_every
+    _step(policy, probe, drafted=1)  # drafted, rejected
+    assert policy.probe_every == 4 * policy.tuning.probe_every
+
+
+def test_a_step_whose_choice_of_none_stands_builds_nothing() -> None:
+    """``choose`` on a step where the choice of no drafts stands (or a stream drafter's gate
+    is closed) answers without looking at the requests: the same answer the full choice gives."""
+    policy = DraftPolicy(cost=linear_cost(0.010, 0.004), tuning=Tuning(recheck_every=4, max_recheck_every=4))
+    stats = history(0.3)
+    requests = [
+        SimpleNamespace(
+            draft_stats=stats,
+            drafter_in_sync=True,
+            n_past=20,
+            params=SimpleNamespace(max_tokens=100),
+            output_ids=[],
+            drafter_upto=20,
+        )
+        for _ in range(16)
+    ]
+    first = policy.choose(requests, 256, 6, 512, step=1)
+    assert first.lengths == [0] * 16 and first.caps == [6] * 16  # searched
+    unreadable = [SimpleNamespace() for _ in range(16)]  # (any attribute read fails)
+    for step in range(2, 5):  # stands recheck_every steps
+        assert policy.choose(unreadable, 256, 6, 512, step=step).lengths == [0] * 16
+    assert policy.choose(requests, 256, 6, 512, step=5).lengths == [0] * 16  # searched again
+    gated = DraftPolicy(cost=linear_cost(0.010, 0.004), sync=DrafterSync.STREAM)
+    gated.gate.open = False
+    assert gated.choose(unreadable, 256, 6, 512, step=1) == ([0] * 16, [0] * 16, None)
