@@ -553,6 +553,21 @@ def test_a_catch_up_drafter_pays_for_the_history_it_skipped() -> None:
     assert policy.lengths([Drafting(history(0.95), 4, lag=100)]) == [0]  # catching up costs more
 
 
+def test_a_catch_up_measured_at_one_length_prices_longer_ones_in_proportion() -> None:
+    """At start a draft model's catch-up is measured on one prompt length only; a catch-up of
+    a long history then costs in proportion, not the same (priced the same, a probe at the
+    first step of a long prompt made a 0.5B draft model read 83 tokens in 0.45 s where 0.12 s
+    was expected). Measured at a second length, the line has its own intercept."""
+    cost = linear_cost(0.010, 0.004)
+    cost.observe_sync(16, 0.16)
+    assert abs(cost.sync(320) - 3.2) < 1e-9 and abs(cost.sync(16) - 0.16) < 1e-12
+    cost.observe_sync(32, 0.26)  # (0.06 s + 6.25 ms a token)
+    assert abs(cost.sync(64) - 0.46) < 0.01
+    policy = DraftPolicy(cost=linear_cost(0.010, 0.004), sync=DrafterSync.CATCH_UP)
+    policy.cost.observe_sync(16, 0.016)  # a catch-up costs a one-row step a token
+    assert policy.lengths([Drafting(history(0.95), 4, lag=300, probe=True)]) == [0] and policy.probed is None
+
+
 def gain(policy: DraftPolicy, seqs: list[Drafting], ks: list[int]) -> float:
     return sum(
         s.stats.rates(m, policy.prior(m), policy.tuning.prior_weight)[1]

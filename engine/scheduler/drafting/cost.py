@@ -22,7 +22,9 @@ _LEARNING_RATE = 0.05
 
 @dataclass
 class _Line:
-    """y = a + b * x by least squares, each new point weighing 1 / decay times the last."""
+    """y = a + b * x by least squares, each new point weighing 1 / decay times the last;
+    through the origin while every point has the same x (a drafter's catch-up measured at
+    one length at start: a catch-up of more tokens costs more, not the same)."""
 
     decay: float = 0.98
     w: float = 0.0
@@ -48,7 +50,14 @@ class _Line:
         if self._fit is None:  # (the policy evaluates the line for every candidate of a step)
             mx, my = self.sx / self.w, self.sy / self.w
             var = self.sxx / self.w - mx * mx
-            self._fit = (mx, my, (self.sxy / self.w - mx * my) / var if var > 1e-12 else 0.0)
+            slope = (
+                (self.sxy / self.w - mx * my) / var
+                if var > 1e-12 * max(mx * mx, 1.0)
+                else my / mx
+                if mx
+                else 0.0
+            )
+            self._fit = (mx, my, slope)
         mx, my, b = self._fit
         return my + b * (x - mx)
 
