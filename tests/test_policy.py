@@ -32,6 +32,20 @@ def tiled_cost(max_rows: int = 64) -> StepCost:
     return cost
 
 
+def step_result(outputs: list[SimpleNamespace], t_decode_us: float) -> SimpleNamespace:
+    """A native step's result as the policy reads it: one decode of every output's rows."""
+    return SimpleNamespace(
+        outputs=outputs,
+        n_decode_calls=1,
+        n_batch_tokens=sum(1 + out.drafted for out in outputs),
+        t_decode_us=t_decode_us,
+        t_process_us=0,
+        t_draft_us=0,
+        n_sync_tokens=0,
+        t_catch_up_us=0,
+    )
+
+
 def history(accepted: float, n: int = 60, k: int = 4) -> DraftStats:
     """Stats of ``n`` verifications of ``k`` drafts, each position accepted with
     probability ``accepted`` given the ones before (as counts)."""
@@ -313,18 +327,8 @@ def test_drafting_every_match_is_priced_by_what_its_steps_delivered() -> None:
     for _ in range(10):  # each step: half the tokens priced, in twice the time
         policy.lengths(seqs)
         outputs = [SimpleNamespace(seq=i, drafted=8, produced=8, accepted=2) for i in range(4)]
-        result = SimpleNamespace(
-            outputs=outputs,
-            n_decode_calls=1,
-            n_batch_tokens=36,
-            t_decode_us=2e6 * taken[2],
-            t_process_us=0,
-            t_draft_us=0,
-            n_sync_tokens=0,
-            t_catch_up_us=0,
-        )
         policy._matching.clear()  # (priced again at once, as after a rejected draft)
-        policy.observe([], result)
+        policy.observe([], step_result(outputs, t_decode_us=2e6 * taken[2]))
     policy._matching.clear()
     policy.lengths(seqs)
     assert policy._taken is None or policy._taken[0] is not policy._realized  # (every match: no longer)
@@ -636,19 +640,7 @@ def _step(policy: DraftPolicy, work: list[SimpleNamespace], drafted: int) -> Non
     outputs = [
         SimpleNamespace(seq=w.request.slot, drafted=drafted, produced=drafted, accepted=0) for w in work
     ]
-    policy.observe(
-        work,
-        SimpleNamespace(
-            outputs=outputs,
-            n_decode_calls=1,
-            n_batch_tokens=len(work) * (1 + drafted),
-            t_decode_us=20_000,
-            t_process_us=0,
-            t_draft_us=0,
-            n_sync_tokens=0,
-            t_catch_up_us=0,
-        ),
-    )
+    policy.observe(work, step_result(outputs, t_decode_us=20_000))
 
 
 def test_a_probe_that_drafted_nothing_backs_off_as_a_rejected_one() -> None:

@@ -245,7 +245,7 @@ class DraftPolicy:
         n = len(decoding)
         probe = step // self.probe_every % n if n and step % self.probe_every == 0 else -1
         if probe < 0 and self._none_stands(n):  # (most steps of an idle drafter: nothing to weigh)
-            self.chosen, self.probed, self._taken = (0.0, 0.0, 0, 0, 0), None, None
+            self._forget_choice()
             return Drafts([0] * n, [0] * n, None)
         catch_up = self.sync is DrafterSync.CATCH_UP
         seqs = [
@@ -337,7 +337,7 @@ class DraftPolicy:
 
     def lengths(self, seqs: Sequence[Drafting]) -> list[int]:
         """Draft lengths for the decoding sequences of one step."""
-        self.chosen, self.probed, self._taken = (0.0, 0.0, 0, 0, 0), None, None
+        self._forget_choice()
         if not seqs:
             return []
         self.k_cap = max(self.k_cap, *(s.max_k for s in seqs))
@@ -366,6 +366,10 @@ class DraftPolicy:
             if s.probe and s.max_k > 0 and k == 0 and self._could_pay(n, s):
                 ks[i], self.probed = 1, i
         return ks
+
+    def _forget_choice(self) -> None:
+        """No choice made yet this step: nothing chosen, probed or priced."""
+        self.chosen, self.probed, self._taken = (0.0, 0.0, 0, 0, 0), None, None
 
     def _idle_stands(self, n: int) -> bool:
         """Whether the last choice of no drafts stands for this step of ``n`` decoding
