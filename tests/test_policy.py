@@ -358,6 +358,30 @@ def test_an_ngram_drafter_drafts_long_matches_where_one_row_costs_more_than_its_
     assert short.lengths([Drafting(DraftStats(), 16)]) == [0]
 
 
+def test_a_copying_stream_drafts_again_after_an_early_rejection() -> None:
+    """One stream on the machine above (a one-token draft cannot pay): the first draft, four
+    tokens, is rejected; after that every match would be right. The probes ask for the
+    longest draft, so they measure the deep positions that decide the price of drafting
+    every match, and the price is computed again as steps pass, drafting or not. (Before:
+    one-token probes, a price aged only by verifications, and lengths per match taken from
+    drafts cut short by the probes: the stream drafted nothing for thousands of steps.)"""
+    rows_ms = {1: 9.4, 2: 21.0, 4: 30.0, 5: 47.0, 8: 36.0, 16: 47.0, 32: 94.0, 64: 170.0}
+    cost = StepCost()
+    cost.calibrate(lambda rows, prompt: (rows_ms[rows] + 0.9 * prompt) / 1000, 64)
+    policy, stats = DraftPolicy(cost=cost, every_match=True), DraftStats()
+    policy.observe_verification(stats, 4, 4, 0)
+    for step in range(200):
+        probe = step % policy.probe_every == 0
+        (k,) = policy.lengths([Drafting(stats, 16, probe=probe)])
+        if k:
+            policy.observe_verification(stats, k, k, k)
+            if probe:
+                policy.observe_probe(True)
+        if k and not probe:
+            break
+    assert k >= 8 and step < 100
+
+
 class _Counting(dict[tuple[int, int], _Price]):
     """The policy's price cache, counting its writes."""
 
@@ -392,6 +416,8 @@ def test_the_every_match_price_lives_longer_while_nothing_matches() -> None:
     prices it again at the usual age."""
     policy = DraftPolicy(cost=tiled_cost(), every_match=True)
     policy._matching = priced = _Counting()
+    for _ in range(8):  # (drafts that were right: drafting every match pays)
+        policy.engine.record(16, 16, 16)
     seqs = [Drafting(DraftStats(), 16) for _ in range(4)]
     for _ in range(64):  # 256 verifications without a match: priced once (at the usual life
         ks = policy.lengths(seqs)  # of 32 verifications: 8 times)
@@ -401,7 +427,8 @@ def test_the_every_match_price_lives_longer_while_nothing_matches() -> None:
     assert priced.writes == 1
     for step in range(16):  # one match now and then: the usual life, 32 verifications
         for i, (s, k) in enumerate(zip(seqs, policy.lengths(seqs), strict=True)):
-            policy.observe_verification(s.stats, k, int(i == 0 and step % 4 == 0), 0)
+            right = int(i == 0 and step % 4 == 0)
+            policy.observe_verification(s.stats, k, right, right)
     assert 2 <= priced.writes <= 3
 
 
@@ -413,6 +440,8 @@ def test_a_drafter_whose_drafts_turn_bad_is_priced_again_at_the_next_step() -> N
     policy = DraftPolicy(cost=tiled_cost(), every_match=True)
     policy._matching = priced = _Counting()
     seq = Drafting(DraftStats(), 8)
+    for _ in range(1):  # (the drafts before)
+        policy.engine.record(8, 8, 8)
     for _ in range(6):  # good drafts: priced once
         assert policy.lengths([seq]) == [8]
         policy.observe_verification(seq.stats, 8, 8, 8)

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from .cost import StepCost
-from .stats import _ACCEPTED, _PRODUCED, _REQUESTED, DrafterSync, DraftStats
+from .stats import DrafterSync, DraftStats
 
 if TYPE_CHECKING:
     from ..planner import WorkItem
@@ -87,7 +87,7 @@ def _monotone(prod: np.ndarray, acc: np.ndarray) -> tuple[np.ndarray, np.ndarray
 class _Price(NamedTuple):
     """Whether drafting every match pays, as priced (see :meth:`DraftPolicy._every_match_pays`)."""
 
-    version: int  #: the engine's verifications when it was priced
+    asked: int  #: :attr:`DraftPolicy.asked` when it was priced
     matched: int  #: of those, the ones in which the drafter produced a token
     rejected: int  #: and the ones in which the target rejected a drafted token
     pays: bool
@@ -227,6 +227,10 @@ class DraftPolicy:
     chosen: tuple[float, float, int, int, int] = (0.0, 0.0, 0, 0, 0)
     probed: int | None = None  #: the sequence :meth:`lengths` made probe, by index
     k_cap: int = 0  #: the longest draft a sequence was allowed so far
+    #: decoding sequences' steps so far (drafting or not): a price's age is counted in them,
+    #: not in verifications, which stop when nothing is drafted and would keep a price of
+    #: no drafts for good
+    asked: int = 0
     _idle: _Idle | None = None  #: the choice of none that stands
     _matching: dict[tuple[int, int], _Price] = field(default_factory=dict)  #: by (n, k)
     _realized: _Realized = field(default_factory=_Realized)  #: of drafting every match
@@ -246,6 +250,7 @@ class DraftPolicy:
         probe = step // self.probe_every % n if n and step % self.probe_every == 0 else -1
         if probe < 0 and self._none_stands(n):  # (most steps of an idle drafter: nothing to weigh)
             self._forget_choice()
+            self.asked += n
             return Drafts([0] * n, [0] * n, None)
         catch_up = self.sync is DrafterSync.CATCH_UP
         seqs = [
@@ -340,6 +345,7 @@ class DraftPolicy:
         self._forget_choice()
         if not seqs:
             return []
+        self.asked += len(seqs)
         self.k_cap = max(self.k_cap, *(s.max_k for s in seqs))
         if not self.adaptive:
             return [s.max_k for s in seqs]
@@ -363,8 +369,10 @@ class DraftPolicy:
         if self.uniform:
             return ks
         for i, (k, s) in enumerate(zip(ks, seqs, strict=True)):
-            if s.probe and s.max_k > 0 and k == 0 and self._could_pay(n, s):
-                ks[i], self.probed = 1, i
+            if s.probe and s.max_k > 0 and k == 0:
+                k = self._probe_length(n, s)
+                if k:
+                    ks[i], self.probed = k, i
         return ks
 
     def _forget_choice(self) -> None:
@@ -410,13 +418,18 @@ class DraftPolicy:
         :meth:`DraftStats.rates` with the engine's priors: arrays of shape (sequences, K),
         K the longest ``max_k``."""
         k = max(s.max_k for s in seqs)
-        if self._prior is None or self._prior[:2] != (self.engine.version, k):
-            self._prior = (self.engine.version, k, np.array(self.priors(k)).T)
-        prior = self._prior[2]
+        prior = self._engine_rates(k)
         counts = np.stack([s.stats.counts(k) for s in seqs])
         w = self.tuning.prior_weight
         cases = counts[:, 0] + w
         return (counts[:, 1] + w * prior[0]) / cases, (counts[:, 2] + w * prior[1]) / cases
+
+    def _engine_rates(self, k: int) -> np.ndarray:
+        """:meth:`priors` at positions 1..k as a (2, k) array (produced, accepted), kept until
+        the engine records its next verification."""
+        if self._prior is None or self._prior[:2] != (self.engine.version, k):
+            self._prior = (self.engine.version, k, np.array(self.priors(k)).T)
+        return self._prior[2]
 
     def observe_probe(self, accepted: bool) -> None:
         """A probe's outcome: a rejected one waits twice as long for the next."""
@@ -435,22 +448,22 @@ class DraftPolicy:
         averaged over how many sequences match at once (binomially). Not a price per row:
         where one row with logits costs far less than two, a long draft pays when a
         one-token one never could."""
-        # (priced again once every sequence asked about 8 times since, and 32 verifications
+        # (priced again once every sequence asked about 8 times since, and 32 times in all
         # at least: the engine's rates move little in that time, and pricing costs a fair
         # share of a tiny model's step. While no n-gram has matched since, the rates have
         # only decayed towards no match, and asking costs no rows: the price stands
         # ``unmatched_life`` times as long. Once the target rejected a draft since, the price
         # stands for one step: a drafter whose drafts turn bad pays rows for each step it
         # keeps asking.)
-        e, version = self.engine, self.engine.version
+        e = self.engine
         known = self._matching.get((n, k))
         if known is not None and self._price_stands(known, n):
             return known.pays
-        w = _FIRST_WEIGHT
-        matches = e.count(_PRODUCED, 1)
-        match = min(max((matches + w * _FIRST[0]) / (e.count(_REQUESTED, 1) + w), 1e-9), 1.0 - 1e-9)
-        length = min((e.total(_PRODUCED) + w * k) / (matches + w), float(k))  # (tokens per match)
-        accepted_per_row = (e.total(_ACCEPTED) + w * _FIRST[1]) / (e.total(_PRODUCED) + w)
+        # (per position, given that it was asked for: a probe asks for one token, and its
+        # match says nothing about how long the match would have been)
+        prod, acc = (x[0] for x in _monotone(*self._engine_rates(k)[:, None, :]))
+        match = min(max(float(prod[0]), 1e-9), 1.0 - 1e-9)
+        length = min(float(prod.sum()) / match, float(k))  # (tokens per match)
         j = np.arange(n + 1)
         log_ways = self._log_ways.get(n)
         if log_ways is None:
@@ -459,11 +472,11 @@ class DraftPolicy:
             )
         p = np.exp(log_ways + j * math.log(match) + (n - j) * math.log1p(-match))  # (j sequences match)
         seconds = float(p @ self._costs(n, j * length, np.where(j > 0, k, 0), j, 0))
-        gain = n * match * length * accepted_per_row
+        gain = n * float(acc.sum())
         realized_gain, realized_seconds = self._realized.scale(gain, seconds)
         with_drafts = (n + realized_gain) / realized_seconds
         pays = bool(with_drafts > self._value(0.0, 0.0, 0, 0, n) * (1.0 + self.tuning.margin))
-        self._matching[n, k] = _Price(version, e.matched, e.rejected, pays, gain, seconds)
+        self._matching[n, k] = _Price(self.asked, e.matched, e.rejected, pays, gain, seconds)
         if not pays:
             self._realized.age()
         return pays
@@ -476,7 +489,7 @@ class DraftPolicy:
             life = n
         else:
             life = max(8 * n, 32) * (1 if e.matched != known.matched else self.tuning.unmatched_life)
-        return e.version - known.version < life
+        return self.asked - known.asked < life
 
     def _row(self, n: int) -> float:
         """Seconds one more row adds to a step of ``n`` decoding sequences (the mean over
@@ -493,11 +506,19 @@ class DraftPolicy:
         out: np.ndarray = (n + np.asarray(gain, dtype=float)) / self._costs(n, rows, k_max, n_drafting, lag)
         return out
 
-    def _could_pay(self, n: int, s: Drafting) -> bool:
-        """Whether drafts for ``s`` alone, every one of them right, would beat none: a probe
-        that could never pay is not made."""
+    def _probe_length(self, n: int, s: Drafting) -> int:
+        """How long a probe for ``s`` drafts (0: a probe that could never pay is not made).
+        An n-gram drafter asks for its longest draft, as every sequence does when drafting
+        every match pays: asking costs only the rows of what it produces, and a shorter probe
+        would leave unmeasured the deep positions that decide that price (one early rejected
+        draft then kept a copying stream from drafting for good). A drafter that pays per
+        position drafts the shortest length that, every token right, beats none by the margin."""
         k = np.arange(1, s.max_k + 1)
-        return bool(np.any(self._values(n, k, k, k, 1, s.lag) > self._value(0.0, 0.0, 0, 0, n)))
+        none = self._value(0.0, 0.0, 0, 0, n)
+        pays = self._values(n, k, k, k, 1, s.lag) > none * (1.0 + self.tuning.margin)
+        if not pays.any():
+            return 0
+        return s.max_k if self.every_match else int(k[np.argmax(pays)])
 
     def _drafter_could_pay(self, n: int) -> bool:
         """Whether ``n`` decoding sequences, all drafting the same length and every draft
