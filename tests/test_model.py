@@ -184,9 +184,9 @@ def test_a_q8_0_target_gives_every_batch_size_the_same_logits(models: ModelCache
 
 
 def test_an_f32_target_gives_the_same_logits_on_one_thread_and_two(models: ModelCache) -> None:
-    """llama.cpp's CPU kernel for F32 weights (llamafile's tinyBLAS) deals its jobs, blocks
-    of the output, round robin to the threads (vendor/patches/0008; it drew them from a
-    shared counter): every block is computed, each by the same instructions whichever
+    """llama.cpp's CPU kernel for F32 weights (llamafile's tinyBLAS) gives each thread one
+    contiguous run of its jobs, blocks of the output (vendor/patches/0008; it drew them
+    from a shared counter): every block is computed, each by the same instructions whichever
     thread takes it, so a prompt's logits with two threads equal, bit for bit, those with
     one (decoded beside one-token rows of other sequences: every matmul has several jobs
     per thread). Only the prompt's rows are compared: a one-token row attending to its
