@@ -440,8 +440,7 @@ def test_a_drafter_whose_drafts_turn_bad_is_priced_again_at_the_next_step() -> N
     policy = DraftPolicy(cost=tiled_cost(), every_match=True)
     policy._matching = priced = _Counting()
     seq = Drafting(DraftStats(), 8)
-    for _ in range(1):  # (the drafts before)
-        policy.engine.record(8, 8, 8)
+    policy.engine.record(8, 8, 8)  # (the drafts before)
     for _ in range(6):  # good drafts: priced once
         assert policy.lengths([seq]) == [8]
         policy.observe_verification(seq.stats, 8, 8, 8)
