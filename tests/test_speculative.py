@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from engine.session import ContextConfig, SpeculativeConfig, SpeculativeSession
@@ -100,3 +104,44 @@ def test_batched_draft_is_one_call_for_all_sequences(models: ModelCache) -> None
     run = speculative_greedy(session, prompts, 12)
     # one upstream draft call per round, whatever the number of sequences
     assert session.stats().n_draft_calls <= run.rounds
+
+
+# Feeds one 480-token prompt batch to an EAGLE-3 drafter and prints how many MiB the
+# process's resident memory grew by. The drafter's encoder and decoder each see every token.
+_FEED_ONE_PROMPT = """
+import sys
+from engine.session import Batch, ContextConfig, Model, Runtime, SpeculativeConfig, SpeculativeSession
+
+def rss_mib():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+rt = Runtime()
+target, draft = (Model.load(rt, p) for p in sys.argv[1:3])
+session = SpeculativeSession.open(
+    target,
+    SpeculativeConfig("eagle3", n_seq=1, n_draft_max=4),
+    ContextConfig(n_ctx=1024, n_seq=1, n_batch=512, n_ubatch=512, threads=2),
+    draft_model=draft,
+)
+before = rss_mib()
+b = Batch()
+b.add_sequence([1] + [100 + i % 300 for i in range(479)], 0, 0, logits="none")
+session.decode_target_and_process(b)
+print(rss_mib() - before)
+"""
+
+
+def test_feeding_eagle3_a_prompt_computes_and_keeps_no_logits_per_token(model_paths: dict[str, Path]) -> None:
+    """The drafter's decoder computes logits only for the rows asked for, and its encoder
+    reserves no room for logits or samples: on a 128k vocabulary each would be hundreds of
+    MiB for a 480-token prompt (about 1.2 GiB in all before patch 0012)."""
+    paths = [str(model_paths[m]) for m in ("walk-llama", "walk-llama-eagle3")]
+    run = subprocess.run(
+        [sys.executable, "-c", _FEED_ONE_PROMPT, *paths],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert float(run.stdout) < 64, run.stdout
