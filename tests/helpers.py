@@ -1,10 +1,13 @@
 """What the engine's tests share: an engine config over the test models, the drafter
-parity table, checks that wait for the engine (it acts between steps), and one-token rows
-of many sequences decoded together at the context level."""
+parity table, checks that wait for the engine (it acts between steps), one-token rows
+of many sequences decoded together at the context level, and the process's resident memory."""
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import random
+import resource
 from collections.abc import Callable
 from pathlib import Path
 
@@ -120,3 +123,12 @@ class OneTokenRows:
         for s in seqs:
             self.ctx.kv_remove(s, self.hist, None)
         return got
+
+
+def rss_mib() -> float:
+    """Resident set size after returning freed heap memory to the system (glibc keeps freed
+    chunks otherwise, which hides whether memory is really held)."""
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20

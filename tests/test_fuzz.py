@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import gc
 import hashlib
 import json
 import random
-import resource
 import struct
 from pathlib import Path
 
@@ -26,7 +23,7 @@ from engine.session import (
 )
 from engine.session.checkpoint import MAGIC
 from tests.conftest import ModelCache
-from tests.helpers import assert_kv_accounted, config
+from tests.helpers import assert_kv_accounted, config, rss_mib
 from tests.spec_loop import greedy_plain
 
 pytestmark = pytest.mark.timeout(900)
@@ -226,15 +223,6 @@ async def test_mutated_checkpoints_are_rejected_and_change_nothing(
 
 
 # --- cancellation storm -----------------------------------------------------------------
-
-
-def rss_mib() -> float:
-    """Resident set size after returning freed heap memory to the system (glibc keeps freed
-    chunks otherwise, which hides whether memory is really held)."""
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
 
 @pytest.mark.slow

@@ -111,10 +111,7 @@ def test_batched_draft_is_one_call_for_all_sequences(models: ModelCache) -> None
 _FEED_ONE_PROMPT = """
 import sys
 from engine.session import Batch, ContextConfig, Model, Runtime, SpeculativeConfig, SpeculativeSession
-
-def rss_mib():
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+from tests.helpers import rss_mib
 
 rt = Runtime()
 target, draft = (Model.load(rt, p) for p in sys.argv[1:3])
@@ -143,5 +140,6 @@ def test_feeding_eagle3_a_prompt_computes_and_keeps_no_logits_per_token(model_pa
         text=True,
         timeout=120,
         check=True,
+        cwd=Path(__file__).resolve().parent.parent,
     )
     assert float(run.stdout) < 64, run.stdout
