@@ -657,9 +657,11 @@ def test_rejected_probes_back_off_and_hopeless_ones_are_not_made() -> None:
         assert policy.probe_every == expected
     policy.observe_probe(accepted=True)
     assert policy.probe_every == policy.tuning.probe_every
-    # drafting costs more than a right draft brings: no probe
+    # drafting costs more than a right draft brings: no probe, and the next waits as after a
+    # rejected one (each check prices every length: an idle drafter's steps must not pay it)
     policy.cost.observe_draft(1, 1, 0.5)
     assert policy.lengths([Drafting(stats, 4, probe=True)]) == [0] and policy.probed is None
+    assert policy.probe_every == 2 * policy.tuning.probe_every
 
 
 def _step(policy: DraftPolicy, work: list[SimpleNamespace], drafted: int) -> None:

@@ -329,7 +329,8 @@ class Scheduler:
         """Apply one native step's result: captures, errors, then each request's outputs.
         A fault while applying one request's part fails that request alone."""
         self._count(plan, result)
-        self.policy.observe(plan.work, result)
+        if self.config.spec.type != "none":  # (without a drafter there is nothing to learn)
+            self.policy.observe(plan.work, result)
         preempted = dict(plan.preempted)
         for cap in result.captures:
             if (victim := preempted.pop(cap.seq, None)) is not None:

@@ -166,8 +166,8 @@ class Tuning:
     #: model's price of a step of many rows is less sure than that (BENCHMARKS.md)
     margin: float = 0.05
     prior_weight: float = 3.0  #: how many verifications the engine-wide prior is worth
-    #: steps between probes; doubles (up to ``max_probe_every``) with each probe rejected
-    #: or not drafted
+    #: steps between probes; doubles (up to ``max_probe_every``) with each probe rejected,
+    #: not drafted or not worth making
     probe_every: int = 32
     max_probe_every: int = 1024
     #: steps a choice of no drafts stands while nothing it rests on changed (see
@@ -373,6 +373,8 @@ class DraftPolicy:
                 k = self._probe_length(n, s)
                 if k:
                     ks[i], self.probed = k, i
+                else:  # (one that could not pay waits as a rejected one does)
+                    self.observe_probe(False)
         return ks
 
     def _forget_choice(self) -> None:
