@@ -388,11 +388,15 @@ async def measure(
             "lcp": lcp.get(spec),
             "raw": raw.get(n),
             "agreement": agree[(n, spec)],
-            "vs_server": paired_ratio(
-                [r for r in ours_runs if (r.n_streams, r.speculative) == (n, spec)],
-                [r for r in srv_runs if (r.n_streams, r.speculative) == (n, spec)],
-            )
-            or (float("nan"),) * 3,
+            **{
+                key: paired_ratio(
+                    [r for r in ours_runs if (r.n_streams, r.speculative) == (n, spec)],
+                    [r for r in srv_runs if (r.n_streams, r.speculative) == (n, spec)],
+                    whole,
+                )
+                or (float("nan"),) * 3
+                for key, whole in (("vs_server", False), ("vs_server_whole", True))
+            },
         }
         for n in n_values
         for spec in specs
@@ -404,6 +408,8 @@ async def measure(
         "agreement_lcp": lcp_agreement,
         "speedups_ours": _by_type(speedups(ours_runs)),
         "speedups_server": _by_type(speedups(srv_runs)),
+        "speedups_ours_whole": _by_type(speedups(ours_runs, whole=True)),
+        "speedups_server_whole": _by_type(speedups(srv_runs, whole=True)),
         "repeats": repeats,
     }
 
@@ -478,12 +484,15 @@ async def main() -> int:
                         "agreement_llama_cpp_python": sec["agreement_lcp"],
                         "speculation_ours": sec["speedups_ours"],
                         "speculation_server": sec["speedups_server"],
+                        "speculation_ours_whole_run": sec["speedups_ours_whole"],
+                        "speculation_server_whole_run": sec["speedups_server_whole"],
                         "rows": [
                             {
                                 "n": r["n"],
                                 "spec": r["spec"],
                                 "agreement": r["agreement"],
                                 "ours_vs_server": r["vs_server"],
+                                "ours_vs_server_whole_run": r["vs_server_whole"],
                                 "raw_tokens_per_s": r["raw"],
                                 "ours": r["ours"].as_dict(),
                                 "llama_server": r["server"].as_dict(),

@@ -59,13 +59,16 @@ async def test_back_to_back_events_are_one_arrival() -> None:
 
 def test_speedups_pair_runs_in_the_order_they_ran() -> None:
     def run(spec: str, tps: float) -> BenchResult:
-        r = BenchResult(4, spec, 1, 0, 1.0)
+        r = BenchResult(4, spec, 1, 200, 2.0)  # the whole run: 200 tokens in 2 s
         r.steady_tokens, r.steady_seconds = int(tps), 1.0
         return r
 
     runs = [run("none", 100), run("x", 150), run("none", 50), run("x", 60), run("none", 100), run("x", 90)]
     ((n, spec, med, lo, hi),) = speedups(runs)
     assert (n, spec) == (4, "x") and (med, lo, hi) == (1.2, 0.9, 1.5)
+    runs[1].seconds = 4.0  # slower over the whole run, faster in its steady window
+    ((_, _, med, lo, hi),) = speedups(runs, whole=True)
+    assert (med, lo, hi) == (1.0, 0.5, 1.0)
 
 
 def test_requests_send_every_prompt_once_per_round_in_an_order_no_slot_rotation_repeats() -> None:

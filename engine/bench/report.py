@@ -84,11 +84,11 @@ def medians(results: list[BenchResult]) -> list[BenchResult]:
 
 
 def speedups(
-    results: list[BenchResult], reference: str = "none"
+    results: list[BenchResult], reference: str = "none", whole: bool = False
 ) -> list[tuple[int, str, float, float, float]]:
     """(N, variant, median, min, max) of each speculative type's throughput ÷ ``reference``'s
     with the same prefix cache setting, paired repeat by repeat (interleaved
-    repeats: A, B, B, A, ...)."""
+    repeats: A, B, B, A, ...); ``whole``: the whole runs' throughput, not the steady window's."""
     out = []
     for n in sorted({r.n_streams for r in results}):
         for variant in dict.fromkeys(r.variant for r in results if r.speculative != reference):
@@ -101,7 +101,7 @@ def speedups(
                 and runs
                 and r.prefix_cache == runs[0].prefix_cache
             ]
-            ratio = paired_ratio(runs, ref)
+            ratio = paired_ratio(runs, ref, whole)
             if ratio is not None:
                 out.append((n, variant, *ratio))
     return out
@@ -137,9 +137,14 @@ def median_spread(values: Sequence[float]) -> tuple[float, float, float] | None:
     return (v[(len(v) - 1) // 2], v[0], v[-1]) if v else None
 
 
-def paired_ratio(a: Sequence[BenchResult], b: Sequence[BenchResult]) -> tuple[float, float, float] | None:
-    """Median, min and max of ``a[i]`` ÷ ``b[i]`` throughput, runs paired in the order they
-    ran (None when no pair has a throughput to divide by)."""
+def paired_ratio(
+    a: Sequence[BenchResult], b: Sequence[BenchResult], whole: bool = False
+) -> tuple[float, float, float] | None:
+    """Median, min and max of ``a[i]`` ÷ ``b[i]`` throughput (the steady window's, or with
+    ``whole`` the whole run's: ramp, tail and every request's first token included), runs
+    paired in the order they ran (None when no pair has a throughput to divide by)."""
+    if whole:
+        return _paired(a, b, lambda r: r.whole_run_tokens_per_s)
     return _paired(a, b, lambda r: r.tokens_per_s)
 
 
