@@ -379,28 +379,25 @@ async def measure(
                 )
     ours_med = {(r.n_streams, r.speculative): r for r in medians(ours_runs)}
     srv_med = {(r.n_streams, r.speculative): r for r in medians(srv_runs)}
-    rows = [
-        {
-            "n": n,
-            "spec": spec,
-            "ours": ours_med[(n, spec)],
-            "server": srv_med[(n, spec)],
-            "lcp": lcp.get(spec),
-            "raw": raw.get(n),
-            "agreement": agree[(n, spec)],
-            **{
-                key: paired_ratio(
-                    [r for r in ours_runs if (r.n_streams, r.speculative) == (n, spec)],
-                    [r for r in srv_runs if (r.n_streams, r.speculative) == (n, spec)],
-                    whole,
-                )
-                or (float("nan"),) * 3
-                for key, whole in (("vs_server", False), ("vs_server_whole", True))
-            },
-        }
-        for n in n_values
-        for spec in specs
-    ]
+    rows = []
+    nan = (float("nan"),) * 3
+    for n in n_values:
+        for spec in specs:
+            ours = [r for r in ours_runs if (r.n_streams, r.speculative) == (n, spec)]
+            srv = [r for r in srv_runs if (r.n_streams, r.speculative) == (n, spec)]
+            rows.append(
+                {
+                    "n": n,
+                    "spec": spec,
+                    "ours": ours_med[(n, spec)],
+                    "server": srv_med[(n, spec)],
+                    "lcp": lcp.get(spec),
+                    "raw": raw.get(n),
+                    "agreement": agree[(n, spec)],
+                    "vs_server": paired_ratio(ours, srv) or nan,
+                    "vs_server_whole": paired_ratio(ours, srv, whole=True) or nan,
+                }
+            )
     return {
         "rows": rows,
         "commands": commands,

@@ -62,6 +62,11 @@ def _x(t: tuple[float, float, float]) -> str:
     return f"**{t[0]:.2f}** [{t[1]:.2f}, {t[2]:.2f}]"
 
 
+def _by_row(speedups: list[Any]) -> dict[tuple[int, str], tuple[float, float, float]]:
+    """Speedups ``(N, type, median, min, max)`` keyed by ``(N, type)``."""
+    return {(n, sp): (m, lo, hi) for n, sp, m, lo, hi in speedups}
+
+
 def speculation_table(sections: list[dict[str, Any]]) -> list[str]:
     """Speculation on ÷ off for us and llama-server, and us ÷ llama-server with it on: the
     median of the interleaved repeats' paired ratios [min, max]."""
@@ -72,8 +77,8 @@ def speculation_table(sections: list[dict[str, Any]]) -> list[str]:
     ]
     for sec in sections:
         rows = {(r["n"], r["spec"]): r for r in sec["rows"]}
-        ours_up = {(n, sp): (m, lo, hi) for n, sp, m, lo, hi in sec["speedups_ours"]}
-        srv_up = {(n, sp): (m, lo, hi) for n, sp, m, lo, hi in sec["speedups_server"]}
+        ours_up = _by_row(sec["speedups_ours"])
+        srv_up = _by_row(sec["speedups_server"])
         for (n, spec), r in rows.items():
             if spec == "none" or (n, "none") not in rows:
                 continue
@@ -98,8 +103,8 @@ def whole_run_table(sections: list[dict[str, Any]]) -> list[str]:
         "|---|---:|---:|---:|---:|---:|",
     ]
     for sec in sections:
-        ours_up = {(n, sp): (m, lo, hi) for n, sp, m, lo, hi in sec["speedups_ours_whole"]}
-        srv_up = {(n, sp): (m, lo, hi) for n, sp, m, lo, hi in sec["speedups_server_whole"]}
+        ours_up = _by_row(sec["speedups_ours_whole"])
+        srv_up = _by_row(sec["speedups_server_whole"])
         for r in sec["rows"]:
             key = (r["n"], r["spec"])
             if r["spec"] == "none" or key not in ours_up or key not in srv_up:

@@ -113,6 +113,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.slots = SlotTable(config.n_seq, prefix_cache=prefix_cache)
         self.waiting = WaitQueue()
+        self._speculative = config.spec.type != "none"
         self.policy = DraftPolicy(
             adaptive=config.draft_policy == "adaptive",
             uniform=not config.unified_kv,
@@ -229,7 +230,7 @@ class Scheduler:
             n_draft_max=spec.n_draft_max,
             n_ctx=self.config.n_ctx,
             prefill_reserve=self.config.prefill_reserve,
-            speculative=spec.type != "none",
+            speculative=self._speculative,
             policy=self.policy,
             step=self.metrics.steps,
         )
@@ -329,7 +330,7 @@ class Scheduler:
         """Apply one native step's result: captures, errors, then each request's outputs.
         A fault while applying one request's part fails that request alone."""
         self._count(plan, result)
-        if self.config.spec.type != "none":  # (without a drafter there is nothing to learn)
+        if self._speculative:  # (without a drafter there is nothing to learn)
             self.policy.observe(plan.work, result)
         preempted = dict(plan.preempted)
         for cap in result.captures:
