@@ -351,9 +351,7 @@ class Engine:
                     if plan.empty:
                         await self._wait_for_work()
                         continue
-                    cost = scheduler.policy.cost
-                    native = step_plan(plan, cost.align, cost.align_from)
-                    result = await runtime.wait(self._runner.step_async(native))
+                    result = await runtime.wait(self._runner.step_async(step_plan(plan)))
                     ended = self.metrics.requests_finished
                     scheduler.update(plan, result)
                     faults = 0

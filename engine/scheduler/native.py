@@ -62,10 +62,9 @@ def _request_sampler(r: Request) -> _nb_spec.SamplerParams:
     return p
 
 
-def step_plan(plan: Plan, output_align: int = 1, align_from: int = 0) -> _nb_spec.StepPlan:
+def step_plan(plan: Plan) -> _nb_spec.StepPlan:
     p = _nb_spec.StepPlan()
-    p.output_align = output_align
-    p.align_from = align_from
+    p.output_align, p.align_from = plan.tiles
     p.sync_drafter = plan.sync_drafter
     for slot, n_accepted in plan.settles:
         p.settle(slot, n_accepted)

@@ -147,6 +147,9 @@ class Plan:
     admitted: list[Request] = field(default_factory=list)
     work: list[WorkItem] = field(default_factory=list)
     sync_drafter: bool = True  #: a stream drafter reads this step's batch (see DrafterGate)
+    #: (tile, from rows): the native step pads a batch of at least ``from rows`` rows with
+    #: logits to whole tiles of rows with fillers, where its drafts leave room (see StepCost)
+    tiles: tuple[int, int] = (1, 0)
 
     @property
     def empty(self) -> bool:

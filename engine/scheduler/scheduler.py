@@ -235,6 +235,7 @@ class Scheduler:
             step=self.metrics.steps,
         )
         plan.sync_drafter = self.policy.feed_drafter(self.metrics.steps, plan.work)
+        plan.tiles = self.policy.tiles()
         # taken last: a planning fault leaves them for the next plan
         plan.settles = sorted(self._settles.items())
         self._settles.clear()

@@ -276,6 +276,11 @@ class DraftPolicy:
             ks[max(range(n), key=lambda i: ks[i])] -= 1
         return Drafts(ks, [s.max_k for s in seqs], self.probed)
 
+    def tiles(self) -> tuple[int, int]:
+        """(tile, from rows): how the native step pads a batch's rows with logits to whole
+        tiles where drafts leave room (:attr:`StepCost.align`, calibrated; (1, 0): it does not)."""
+        return self.cost.align, self.cost.align_from
+
     def feed_drafter(self, step: int, work: Sequence[WorkItem]) -> bool:
         """Whether this step's batch goes to the drafter (see :meth:`sync_step`)."""
         if self.sync is not DrafterSync.STREAM:
