@@ -128,8 +128,9 @@ class _Realized:
         w, tiny = _REALIZED_PRIOR, 1e-12  # (nothing predicted: nothing to scale)
         dear = np.maximum(extra, 0.0)
         ratio = (max(self.extra, 0.0) + w * dear + tiny) / (max(self.predicted, 0.0) + w * dear + tiny)
-        gain_ratio = (self.accepted + w * gain + tiny) / (self.gain + w * gain + tiny)
-        return gain * gain_ratio, extra * np.where(dear > 0, ratio, 1.0)
+        return gain * (self.accepted + w * gain + tiny) / (self.gain + w * gain + tiny), extra * np.where(
+            dear > 0, ratio, 1.0
+        )
 
 
 class _Idle(NamedTuple):
