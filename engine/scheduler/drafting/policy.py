@@ -123,13 +123,11 @@ class _Realized:
 
     def scale(self, gain: Any, extra: Any) -> tuple[Any, Any]:
         """``gain`` and ``extra`` (seconds the drafts add) as the steps taken realized them (a
-        prior of ``_REALIZED_PRIOR`` steps predicted right). Drafts priced to make a step
-        shorter (rows that complete a tile, :class:`StepCost`) are left as priced."""
+        prior of ``_REALIZED_PRIOR`` steps predicted right; drafts never make a step shorter)."""
         w, tiny = _REALIZED_PRIOR, 1e-12  # (nothing predicted: nothing to scale)
-        dear = np.maximum(extra, 0.0)
-        ratio = (max(self.extra, 0.0) + w * dear + tiny) / (max(self.predicted, 0.0) + w * dear + tiny)
-        return gain * (self.accepted + w * gain + tiny) / (self.gain + w * gain + tiny), extra * np.where(
-            dear > 0, ratio, 1.0
+        return (
+            gain * (self.accepted + w * gain + tiny) / (self.gain + w * gain + tiny),
+            extra * np.maximum(self.extra + w * extra + tiny, 0.0) / (self.predicted + w * extra + tiny),
         )
 
 
