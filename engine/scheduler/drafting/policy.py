@@ -93,41 +93,38 @@ class _Price(NamedTuple):
     pays: bool
     gain: float  #: expected accepted tokens of a step (before :class:`_Realized`)
     seconds: float  #: expected seconds of a step (before :class:`_Realized`)
-    none: float  #: expected seconds of the same step without drafts
 
 
 @dataclass
 class _Realized:
     """What the steps taken on a price brought against what it predicted: accepted tokens and
-    the seconds the drafts added to a step without them, as decayed sums. The engine's rates
-    are learned from the drafts the policy chose, a selected sample; drafting every match
-    applies them to every sequence, including those the choice would have left out, whose
-    drafts are longer and accepted less. A price is scaled by what the steps it chose
-    delivered; the evidence fades as it ages, so a price that stopped paying is tried again
-    once the drafts may have changed. Only what the drafts add is scaled: scaling the whole
-    step would make a step with few drafts cheaper than one without any."""
+    seconds, as decayed sums. The engine's rates are learned from the drafts the policy chose,
+    a selected sample; drafting every match applies them to every sequence, including those
+    the choice would have left out, whose drafts are longer and accepted less. A price is
+    scaled by what the steps it chose delivered; the evidence fades as it ages, so a price
+    that stopped paying is tried again once the drafts may have changed."""
 
     accepted: float = 0.0
     gain: float = 0.0
-    extra: float = 0.0
+    seconds: float = 0.0
     predicted: float = 0.0
 
-    def add(self, accepted: float, gain: float, extra: float, predicted: float) -> None:
+    def add(self, accepted: float, gain: float, seconds: float, predicted: float) -> None:
         d = _REALIZED_DECAY
         self.accepted, self.gain = d * self.accepted + accepted, d * self.gain + gain
-        self.extra, self.predicted = d * self.extra + extra, d * self.predicted + predicted
+        self.seconds, self.predicted = d * self.seconds + seconds, d * self.predicted + predicted
 
     def age(self) -> None:
         """A pricing without a step: the evidence weighs a little less."""
         self.add(0.0, 0.0, 0.0, 0.0)
 
-    def scale(self, gain: Any, extra: Any) -> tuple[Any, Any]:
-        """``gain`` and ``extra`` (seconds the drafts add) as the steps taken realized them (a
-        prior of ``_REALIZED_PRIOR`` steps predicted right; drafts never make a step shorter)."""
+    def scale(self, gain: Any, seconds: Any) -> tuple[Any, Any]:
+        """``gain`` and ``seconds`` as the steps taken realized them (a prior of
+        ``_REALIZED_PRIOR`` steps predicted right)."""
         w, tiny = _REALIZED_PRIOR, 1e-12  # (nothing predicted: nothing to scale)
         return (
             gain * (self.accepted + w * gain + tiny) / (self.gain + w * gain + tiny),
-            extra * np.maximum(self.extra + w * extra + tiny, 0.0) / (self.predicted + w * extra + tiny),
+            seconds * (self.seconds + w * seconds + tiny) / (self.predicted + w * seconds + tiny),
         )
 
 
@@ -238,9 +235,8 @@ class DraftPolicy:
     _matching: dict[tuple[int, int], _Price] = field(default_factory=dict)  #: by (n, k)
     _realized: _Realized = field(default_factory=_Realized)  #: of drafting every match
     _realized_choice: _Realized = field(default_factory=_Realized)  #: of the per-sequence choice
-    #: this step's drafts: whose choice they were, their expected accepted tokens and seconds,
-    #: and the expected seconds of the step without them
-    _taken: tuple[_Realized, float, float, float] | None = None
+    #: this step's drafts: whose choice they were, their expected accepted tokens and seconds
+    _taken: tuple[_Realized, float, float] | None = None
     _log_ways: dict[int, np.ndarray] = field(default_factory=dict)  #: log C(n, j), j = 0..n
     _prior: tuple[int, int, np.ndarray] | None = None  #: (engine version, k, priors(k) as rows)
 
@@ -317,10 +313,9 @@ class DraftPolicy:
             if taken is not None and result.n_batch_tokens == rows:  # (a prompt chunk: not priced)
                 probes = {w.request.slot for w in work if w.probe}  # (not part of the choice)
                 accepted = sum(min(out.accepted, out.produced) for out in outs if out.seq not in probes)
-                # (as priced: the drafter's pass over the batch, its draft call and catch-up)
-                t = (result.t_decode_us + result.t_draft_us + result.t_catch_up_us) / 1e6
-                realized, gain, seconds, none = taken
-                realized.add(accepted, gain, t - none, seconds - none)
+                t = (result.t_decode_us - result.t_process_us + result.t_draft_us) / 1e6
+                realized, gain, seconds = taken
+                realized.add(accepted, gain, t, seconds)
             self.observe_step(
                 rows,
                 result.n_batch_tokens - rows,
@@ -366,7 +361,7 @@ class DraftPolicy:
         # shrinks by one each step near its end, and a price per cap would price most steps)
         if self.every_match and not self.uniform and self._every_match_pays(n, self.k_cap):
             price = self._matching[n, self.k_cap]
-            self._idle, self._taken = None, (self._realized, price.gain, price.seconds, price.none)
+            self._idle, self._taken = None, (self._realized, price.gain, price.seconds)
             return [s.max_k for s in seqs]
         if self._idle_stands(n):
             ks = [0] * n
@@ -484,12 +479,11 @@ class DraftPolicy:
             )
         p = np.exp(log_ways + j * math.log(match) + (n - j) * math.log1p(-match))  # (j sequences match)
         seconds = float(p @ self._costs(n, j * length, np.where(j > 0, k, 0), j, 0))
-        none = float(self._costs(n, 0.0, 0, 0, 0))
         gain = n * float(acc.sum())
-        realized_gain, realized_extra = self._realized.scale(gain, seconds - none)
-        with_drafts = (n + realized_gain) / (none + realized_extra)
-        pays = bool(with_drafts > n / none * (1.0 + self.tuning.margin))
-        self._matching[n, k] = _Price(self.asked, e.matched, e.rejected, pays, gain, seconds, none)
+        realized_gain, realized_seconds = self._realized.scale(gain, seconds)
+        with_drafts = (n + realized_gain) / realized_seconds
+        pays = bool(with_drafts > self._value(0.0, 0.0, 0, 0, n) * (1.0 + self.tuning.margin))
+        self._matching[n, k] = _Price(self.asked, e.matched, e.rejected, pays, gain, seconds)
         if not pays:
             self._realized.age()
         return pays
@@ -628,13 +622,12 @@ class DraftPolicy:
         priced as the steps taken on such choices realized their prices (see
         :class:`_Realized`); the one taken is remembered for :meth:`observe`."""
         seconds = self._costs(n, rows, k_max, n_drafting, lag)
-        none = float(seconds[0])
-        realized_gain, realized_extra = self._realized_choice.scale(gain, seconds - none)
-        values = (n + realized_gain) / (none + realized_extra)
-        values[0] = n / none
+        realized_gain, realized_seconds = self._realized_choice.scale(gain, seconds)
+        values = (n + realized_gain) / realized_seconds
+        values[0] = n / seconds[0]
         j = self._pick(values)
         if j:
-            self._taken = (self._realized_choice, float(gain[j]), float(seconds[j]), none)
+            self._taken = (self._realized_choice, float(gain[j]), float(seconds[j]))
         elif len(values) > 1:
             self._realized_choice.age()
         return j
