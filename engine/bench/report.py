@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from operator import attrgetter
 from pathlib import Path
 
 from .load import BenchResult, percentile
@@ -143,9 +144,7 @@ def paired_ratio(
     """Median, min and max of ``a[i]`` ÷ ``b[i]`` throughput (the steady window's, or with
     ``whole`` the whole run's: ramp, tail and every request's first token included), runs
     paired in the order they ran (None when no pair has a throughput to divide by)."""
-    if whole:
-        return _paired(a, b, lambda r: r.whole_run_tokens_per_s)
-    return _paired(a, b, lambda r: r.tokens_per_s)
+    return _paired(a, b, attrgetter("whole_run_tokens_per_s" if whole else "tokens_per_s"))
 
 
 def summarize(results: list[BenchResult]) -> str:
