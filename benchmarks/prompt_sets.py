@@ -5,8 +5,9 @@ nobody tuned for".
     python benchmarks/prompt_sets.py --sets heldout --repeats 5
     python benchmarks/prompt_sets.py --render              # the table from the runs kept
 
-Each set and N is one ``python -m engine bench`` run (speculation off and on, interleaved
-repeats; its JSON is kept in ``benchmarks/results/prompt_sets/<set>/n<N>/``). From 16 streams
+Each set and N is one ``python -m engine bench --interleave`` run (speculation off and on,
+one engine each kept open across the interleaved repeats, so that each pair of runs is
+close in time; its JSON is kept in ``benchmarks/results/prompt_sets/<set>/n<N>/``). From 16 streams
 on a run sends 6N requests (``--long-requests``), not 4N: with 4N its steady window was a few
 seconds and the paired ratios spread over 0.2. The ``heldout`` set
 (``engine.workloads.HELDOUT_PROMPTS``) is kept out of all tuning of the draft policy: change
@@ -50,6 +51,8 @@ def measure(name: str, n: int, args: argparse.Namespace) -> None:
     ]  # fmt: skip
     if n >= LONG_FROM:
         cmd += ["--requests", str(args.long_requests * n)]
+    if not args.fresh_engines:
+        cmd += ["--interleave"]
     print("$", " ".join(cmd[1:]), flush=True)
     subprocess.run(cmd, check=True, cwd=ROOT)
 
@@ -138,6 +141,11 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument(
         "--long-requests", type=int, default=6, help=f"requests per stream from {LONG_FROM} streams"
+    )
+    ap.add_argument(
+        "--fresh-engines",
+        action="store_true",
+        help="a fresh engine for every run (before 2026-12-07), not one per side kept across the repeats",
     )
     ap.add_argument("--render", action="store_true", help="only write the table from the runs kept")
     args = ap.parse_args()

@@ -416,6 +416,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--duration", type=float, help="instead of --requests: seconds of load per N")
     bench.add_argument(
+        "--interleave",
+        action="store_true",
+        help="keep one engine per variant open across the repeats of an N, each repeat sending the "
+        "next requests of the same sequence to every variant in turn: ratios of many short "
+        "repeats, paired closely in time (the machine's drift between fresh runs cancels out)",
+    )
+    bench.add_argument(
         "--prompts",
         default="mixed",
         help=f"prompt set ({', '.join(PROMPT_SETS)}; copy = copy-heavy, shared = a ~1,000-token system prompt "

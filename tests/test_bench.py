@@ -1,16 +1,19 @@
 """The load generator itself (``engine.bench.closed_loop``), with a scripted server: the
-ramp, the steady window and how arrivals are counted."""
+ramp, the steady window and how arrivals are counted; and loads on an engine kept open."""
 
 from __future__ import annotations
 
 import itertools
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import anyio
 import pytest
 
-from engine.bench import BURST_S, BenchResult, closed_loop, speedups
+from engine import EngineConfig, SamplingParams
+from engine.bench import BURST_S, BenchResult, closed_loop, load_engine, speedups, warm_up
+from engine.scheduler import Engine
 from engine.workloads import prompt_of
 
 
@@ -87,3 +90,29 @@ def test_requests_send_every_prompt_once_per_round_in_an_order_no_slot_rotation_
     for n in (8, 16, 64):
         same = sum(sent[i] == sent[i + n] for i in range(800 - n)) / (800 - n)
         assert same < 0.3, (n, same)
+
+
+@pytest.mark.anyio
+async def test_loads_on_a_kept_engine_send_the_next_prompts_and_count_only_their_own_drafts(
+    model_paths: dict[str, Path],
+) -> None:
+    """``load_engine`` (what ``engine bench --interleave`` runs on the engines it keeps open):
+    request ``i`` of a load starting at ``first`` is the sequence's request ``first + i``,
+    and a load counts its own drafts, not the engine's since it started."""
+    prompts = [[1] + [100 + 37 * i + j for j in range(12)] for i in range(5)]  # (token ids)
+    config = EngineConfig(
+        model=model_paths["walk-llama-cycle6"], speculative="ngram-simple", n_seq=2, n_ctx=256, threads=2
+    )
+    async with Engine(config) as engine:
+        await warm_up(engine, prompts)
+        drafted0 = engine.metrics.drafted
+        outputs: list[dict[int, list[int]]] = [{}, {}]
+        first = await load_engine(engine, 2, 4, 24, prompts, outputs=outputs[0])
+        second = await load_engine(engine, 2, 4, 24, prompts, outputs=outputs[1], first=4)
+        assert first.drafted > 0 and second.drafted > 0  # (a 6-token cycle: n-grams match)
+        assert first.drafted + second.drafted == engine.metrics.drafted - drafted0
+        for start, got in zip((0, 4), outputs, strict=True):
+            assert sorted(got) == [0, 1, 2, 3]
+            for i, ids in got.items():  # (greedy: a shorter ramp request is a prefix)
+                solo = await engine.generate(prompt_of(prompts, start + i), SamplingParams(max_tokens=24))
+                assert ids == solo.token_ids[: len(ids)] and len(ids) >= 12, (start, i)

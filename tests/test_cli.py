@@ -86,6 +86,52 @@ def test_bench_on_a_tiny_model(model_paths: dict[str, Path], tmp_path: Path) -> 
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
 
 
+def test_bench_interleaved_keeps_an_engine_per_variant(model_paths: dict[str, Path], tmp_path: Path) -> None:
+    """``--interleave``: every repeat of an N runs on the same engines, in A, B, B, A order,
+    each sending the next requests of the sequence."""
+    common = (
+        "bench",
+        "--model",
+        str(model_paths["walk-llama-cycle6"]),
+        "--streams",
+        "2",
+        "--out",
+        str(tmp_path),
+    )
+    refused = run_cli(*common, "--interleave", "--duration", "1", *TINY)
+    assert refused.returncode != 0 and "--interleave takes --requests" in refused.stderr
+    done = run_cli(
+        *common,
+        "--spec",
+        "none,ngram-simple",
+        "--requests",
+        "4",
+        "--repeats",
+        "3",
+        "--max-tokens",
+        "24",
+        "--prompts",
+        "copy",
+        "--interleave",
+        *TINY,
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["settings"]["interleave"] is True
+    rows = report["results"]
+    assert [r["speculative"] for r in rows] == [
+        "none",
+        "ngram-simple",
+        "ngram-simple",
+        "none",
+        "none",
+        "ngram-simple",
+    ]
+    sent = [r["prompt_tokens"] for r in rows]  # (each repeat: the same requests to every variant)
+    assert sent[0::2] == sent[1::2] and len(set(sent[0::2])) == 3  # (the next ones: not repeat 1's again)
+    assert "median of 3 interleaved repeats" in done.stdout
+
+
 def test_load_test_example_for_a_duration_with_a_prompt_file(
     model_paths: dict[str, Path], tmp_path: Path
 ) -> None:

@@ -18,6 +18,7 @@ from .load import (
     Send,
     closed_loop,
     default_requests,
+    load_engine,
     load_prompts,
     machine_info,
     measure_raw,
@@ -25,6 +26,7 @@ from .load import (
     raw_decode_throughput,
     run_http_load,
     run_load,
+    warm_up,
 )
 from .report import (
     median_spread,
@@ -58,6 +60,7 @@ __all__ = [
     "TurnStats",
     "closed_loop",
     "default_requests",
+    "load_engine",
     "load_prompts",
     "machine_info",
     "measure_raw",
@@ -72,6 +75,7 @@ __all__ = [
     "run_http_conversations",
     "run_http_load",
     "run_load",
+    "warm_up",
     "run_overload",
     "speedups",
     "summarize",

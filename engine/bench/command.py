@@ -12,22 +12,25 @@ import json
 import shlex
 import sys
 from collections.abc import Callable
+from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
 import anyio
 
 from ..models import resolve_model
-from ..scheduler import EngineConfig
+from ..scheduler import Engine, EngineConfig
 from ..scheduler.params import default_model_path
 from .load import (
     BenchResult,
     default_requests,
+    load_engine,
     load_prompts,
     machine_info,
     measure_raw,
     run_http_load,
     run_load,
+    warm_up,
 )
 from .report import plot, speedups, summarize, summarize_overload, summarize_turns
 from .scenarios import run_conversations, run_http_conversations, run_overload
@@ -89,31 +92,40 @@ async def bench(args: argparse.Namespace, engine_config: EngineConfigOf) -> int:
         return await _bench_url(args, n_values, prompts, out)
     echo(f"model: {model}\nraw batched decode (llama.cpp, no scheduling) at N = {n_values} ...")
     raw = await anyio.to_thread.run_sync(measure_raw, model, n_values, args.threads)
+    if args.interleave and args.duration:
+        raise SystemExit("--interleave takes --requests, not --duration")
     results: list[BenchResult] = []
     for n in n_values:
-        for rep in range(args.repeats):
-            # interleaved A, B, B, A, ...: the machine drifts, and a fixed order would favour
-            # whichever side always runs first
-            variants = list(itertools.product(specs, caches))
-            for spec, cache in variants if rep % 2 == 0 else reversed(variants):
-                n_req = None if args.duration else (args.requests or default_requests(n))
-                what = f"{args.duration:g} s" if args.duration else f"{n_req} requests"
-                label = f" repeat {rep + 1}/{args.repeats}" if args.repeats > 1 else ""
-                name = spec if cache else f"{spec} no-cache"
-                echo(f"engine: {name:>23} N={n:<3} {what} x {args.max_tokens} tokens{label} ...")
-                tick, close = _progress(n_req, f"{name} N={n}")
-                r = await run_load(
-                    engine_config(args, spec, args.n_seq or n, cache),
-                    n,
-                    n_req,
-                    args.max_tokens,
-                    prompts,
-                    progress=tick,
-                    duration=args.duration,
-                )
-                close()
-                r.raw_tokens_per_s = raw[n]
-                results.append(r)
+        async with AsyncExitStack() as kept:  # (--interleave: each variant's engine, this N)
+            engines: dict[tuple[str, bool], Engine] = {}
+            for rep in range(args.repeats):
+                # interleaved A, B, B, A, ...: the machine drifts, and a fixed order would
+                # favour whichever side always runs first
+                variants = list(itertools.product(specs, caches))
+                for spec, cache in variants if rep % 2 == 0 else reversed(variants):
+                    n_req = None if args.duration else (args.requests or default_requests(n))
+                    what = f"{args.duration:g} s" if args.duration else f"{n_req} requests"
+                    label = f" repeat {rep + 1}/{args.repeats}" if args.repeats > 1 else ""
+                    name = spec if cache else f"{spec} no-cache"
+                    echo(f"engine: {name:>23} N={n:<3} {what} x {args.max_tokens} tokens{label} ...")
+                    tick, close = _progress(n_req, f"{name} N={n}")
+                    config = engine_config(args, spec, args.n_seq or n, cache)
+                    if not args.interleave:
+                        r = await run_load(
+                            config, n, n_req, args.max_tokens, prompts, progress=tick, duration=args.duration
+                        )
+                    else:
+                        engine = engines.get((spec, cache))
+                        if engine is None:
+                            engine = engines[spec, cache] = await kept.enter_async_context(Engine(config))
+                            await warm_up(engine, prompts)
+                        assert n_req is not None
+                        r = await load_engine(
+                            engine, n, n_req, args.max_tokens, prompts, tick, first=rep * n_req
+                        )
+                    close()
+                    r.raw_tokens_per_s = raw[n]
+                    results.append(r)
     echo()
     echo(summarize(results))
     _write_report(
@@ -129,6 +141,7 @@ async def bench(args: argparse.Namespace, engine_config: EngineConfigOf) -> int:
             "requests": args.requests,
             "repeats": args.repeats,
             "duration": args.duration,
+            "interleave": args.interleave,
             "n_seq": args.n_seq,
             "n_draft": args.n_draft,
             "threads": args.threads,

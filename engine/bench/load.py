@@ -43,6 +43,7 @@ __all__ = [
     "SHARED_SYSTEM",
     "closed_loop",
     "default_requests",
+    "load_engine",
     "load_prompts",
     "machine_info",
     "measure_raw",
@@ -50,6 +51,7 @@ __all__ = [
     "raw_decode_throughput",
     "run_http_load",
     "run_load",
+    "warm_up",
 ]
 
 
@@ -299,40 +301,62 @@ async def run_load(
     duration: float | None = None,
     outputs: dict[int, list[int]] | None = None,
 ) -> BenchResult:
-    """:func:`closed_loop` through one engine: request ``i`` sends ``prompt_of(prompts,
-    i)`` (text or token ids), greedy, end-of-generation ignored;
-    ``outputs[i]`` gets its tokens."""
+    """:func:`load_engine` on a fresh engine: its own load from start to end."""
     prompts = prompts or PROMPTS
     async with Engine(config) as engine:
-        # warm-up: one short request, not measured
-        await engine.generate(prompts[0], SamplingParams(max_tokens=4))
-        m = engine.metrics
-        drafted0, accepted0, prompt0, cached0 = m.drafted, m.accepted, m.prompt_tokens, m.cached_tokens
-
-        async def send(i: int, max_tokens: int) -> AsyncIterator[list[int]]:
-            ids: list[int] = []
-            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-            async for delta in engine.stream(prompt_of(prompts, i), params):
-                ids += delta.token_ids
-                yield delta.token_ids
-            if outputs is not None:
-                outputs[i] = ids
-
-        result = await closed_loop(
-            n_streams,
-            n_requests,
-            max_tokens,
-            send,
-            progress,
-            duration,
-            counters=lambda: (m.steps, m.occupancy_sum),
+        await warm_up(engine, prompts)
+        return await load_engine(
+            engine, n_streams, n_requests, max_tokens, prompts, progress, duration, outputs
         )
-        result.speculative = config.spec.type
-        result.prefix_cache = engine.prefix_cache
-        result.drafted = m.drafted - drafted0
-        result.accepted = m.accepted - accepted0
-        result.prompt_tokens = m.prompt_tokens - prompt0
-        result.cached_tokens = m.cached_tokens - cached0
+
+
+async def warm_up(engine: Engine, prompts: Sequence[str | list[int]] | None = None) -> None:
+    """One short request, not measured: the first of a shape allocates."""
+    await engine.generate((prompts or PROMPTS)[0], SamplingParams(max_tokens=4))
+
+
+async def load_engine(
+    engine: Engine,
+    n_streams: int,
+    n_requests: int | None,
+    max_tokens: int,
+    prompts: Sequence[str | list[int]] | None = None,
+    progress: Callable[[int], None] | None = None,
+    duration: float | None = None,
+    outputs: dict[int, list[int]] | None = None,
+    first: int = 0,
+) -> BenchResult:
+    """:func:`closed_loop` through a running engine: request ``i`` sends ``prompt_of(prompts,
+    first + i)`` (text or token ids), greedy, end-of-generation ignored; ``outputs[i]`` gets
+    its tokens. The result counts only this load's drafts and prompt tokens."""
+    prompts = prompts or PROMPTS
+    m = engine.metrics
+    drafted0, accepted0, prompt0, cached0 = m.drafted, m.accepted, m.prompt_tokens, m.cached_tokens
+
+    async def send(i: int, max_tokens: int) -> AsyncIterator[list[int]]:
+        ids: list[int] = []
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        async for delta in engine.stream(prompt_of(prompts, first + i), params):
+            ids += delta.token_ids
+            yield delta.token_ids
+        if outputs is not None:
+            outputs[i] = ids
+
+    result = await closed_loop(
+        n_streams,
+        n_requests,
+        max_tokens,
+        send,
+        progress,
+        duration,
+        counters=lambda: (m.steps, m.occupancy_sum),
+    )
+    result.speculative = engine.config.spec.type
+    result.prefix_cache = engine.prefix_cache
+    result.drafted = m.drafted - drafted0
+    result.accepted = m.accepted - accepted0
+    result.prompt_tokens = m.prompt_tokens - prompt0
+    result.cached_tokens = m.cached_tokens - cached0
     return result
 
 
