@@ -14,7 +14,9 @@ almost never (on the tiny random-weight models of ``tests/models``, written on f
   repeats a 4-token key: nothing to draft, what speculation on costs when it finds nothing.
 
 N closed-loop streams (``engine.bench.closed_loop``), greedy, interleaved repeats (off, on,
-on, off, ...: a side that always ran first would be favoured while the machine drifts); prints the median ratio [min, max] per scenario and N, and writes JSON. A tiny
+on, off, ...: a side that always ran first would be favoured while the machine drifts) on one
+engine per side kept open across them (``engine.bench.KeptEngines``: each pair of runs is
+close in time); prints the median ratio [min, max] per scenario and N, and writes JSON. A tiny
 target generates a 64-token request in about 0.1 s, so a run sends 16N requests (at least 32):
 with ``engine.bench``'s 4N the steady window lasted well under a second and one burst of
 machine noise moved a run by 20 %.
@@ -33,7 +35,7 @@ from pathlib import Path
 import anyio
 
 from engine import EngineConfig, SpeculativeConfig
-from engine.bench import BenchResult, default_requests, run_load, speedups
+from engine.bench import BenchResult, KeptEngines, default_requests, run_load, speedups
 from engine.cli import DEFAULT_N_DRAFT, DEFAULT_NGRAM_N
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,16 +80,15 @@ async def main(args: argparse.Namespace) -> int:
             continue
         for n in [int(x) for x in args.streams.split(",")]:
             runs: list[BenchResult] = []
-            for rep in range(args.repeats):
-                for s in ("none", spec) if rep % 2 == 0 else (spec, "none"):
-                    r = await run_load(
-                        config(paths, target, s, draft, n, args),
-                        n,
-                        args.requests or 4 * default_requests(n),  # (16N, at least 32)
-                        args.max_tokens,
-                        prompts,
-                    )
-                    runs.append(r)
+            n_req = args.requests or 4 * default_requests(n)  # (16N, at least 32)
+            async with KeptEngines(prompts) as kept:  # (one engine per side, unless --fresh-engines)
+                for rep in range(args.repeats):
+                    for s in ("none", spec) if rep % 2 == 0 else (spec, "none"):
+                        cfg = config(paths, target, s, draft, n, args)
+                        if args.fresh_engines:
+                            runs.append(await run_load(cfg, n, n_req, args.max_tokens, prompts))
+                        else:
+                            runs.append(await kept.load(cfg, n, n_req, args.max_tokens, first=rep * n_req))
             ((_, _, med, lo, hi),) = speedups(runs)
             on = [r for r in runs if r.speculative != "none"]
             drafted, accepted = sum(r.drafted for r in on), sum(r.accepted for r in on)
@@ -145,6 +146,11 @@ if __name__ == "__main__":
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--n-draft", type=int, default=DEFAULT_N_DRAFT)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument(
+        "--fresh-engines",
+        action="store_true",
+        help="a fresh engine for every run (before 2026-12-07), not one per side kept across the repeats",
+    )
     ap.add_argument(
         "--json", help="default: benchmarks/results/drafters.json (a run of every scenario and N)"
     )

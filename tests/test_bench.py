@@ -12,7 +12,7 @@ import anyio
 import pytest
 
 from engine import EngineConfig, SamplingParams
-from engine.bench import BURST_S, BenchResult, closed_loop, load_engine, speedups, warm_up
+from engine.bench import BURST_S, BenchResult, KeptEngines, closed_loop, load_engine, speedups, warm_up
 from engine.scheduler import Engine
 from engine.workloads import prompt_of
 
@@ -116,3 +116,11 @@ async def test_loads_on_a_kept_engine_send_the_next_prompts_and_count_only_their
             for i, ids in got.items():  # (greedy: a shorter ramp request is a prefix)
                 solo = await engine.generate(prompt_of(prompts, start + i), SamplingParams(max_tokens=24))
                 assert ids == solo.token_ids[: len(ids)] and len(ids) >= 12, (start, i)
+
+
+@pytest.mark.anyio
+async def test_kept_engines_report_an_engine_process_that_ended(tmp_path: Path) -> None:
+    """A kept engine that cannot start (or dies) fails the load that waits for it, not hangs it."""
+    async with KeptEngines() as kept:
+        with pytest.raises(RuntimeError, match="its process ended"):
+            await kept.load(EngineConfig(model=tmp_path / "missing.gguf"), 1, 1, 4)

@@ -12,25 +12,23 @@ import json
 import shlex
 import sys
 from collections.abc import Callable
-from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
 import anyio
 
 from ..models import resolve_model
-from ..scheduler import Engine, EngineConfig
+from ..scheduler import EngineConfig
 from ..scheduler.params import default_model_path
 from .load import (
     BenchResult,
+    KeptEngines,
     default_requests,
-    load_engine,
     load_prompts,
     machine_info,
     measure_raw,
     run_http_load,
     run_load,
-    warm_up,
 )
 from .report import plot, speedups, summarize, summarize_overload, summarize_turns
 from .scenarios import run_conversations, run_http_conversations, run_overload
@@ -68,6 +66,8 @@ async def bench(args: argparse.Namespace, engine_config: EngineConfigOf) -> int:
     n_values = [int(x) for x in args.streams.split(",")]
     specs = args.spec.split(",")
     prompts = load_prompts(args.prompts)
+    if args.interleave and args.duration:
+        raise SystemExit("--interleave takes --requests, not --duration")
     if args.url:
         model = str(args.model or "")
     else:  # (a name as every command takes it: fetched, then its path)
@@ -92,12 +92,9 @@ async def bench(args: argparse.Namespace, engine_config: EngineConfigOf) -> int:
         return await _bench_url(args, n_values, prompts, out)
     echo(f"model: {model}\nraw batched decode (llama.cpp, no scheduling) at N = {n_values} ...")
     raw = await anyio.to_thread.run_sync(measure_raw, model, n_values, args.threads)
-    if args.interleave and args.duration:
-        raise SystemExit("--interleave takes --requests, not --duration")
     results: list[BenchResult] = []
     for n in n_values:
-        async with AsyncExitStack() as kept:  # (--interleave: each variant's engine, this N)
-            engines: dict[tuple[str, bool], Engine] = {}
+        async with KeptEngines(prompts) as kept:  # (--interleave: each variant's engine, this N)
             for rep in range(args.repeats):
                 # interleaved A, B, B, A, ...: the machine drifts, and a fixed order would
                 # favour whichever side always runs first
@@ -110,18 +107,11 @@ async def bench(args: argparse.Namespace, engine_config: EngineConfigOf) -> int:
                     echo(f"engine: {name:>23} N={n:<3} {what} x {args.max_tokens} tokens{label} ...")
                     tick, close = _progress(n_req, f"{name} N={n}")
                     config = engine_config(args, spec, args.n_seq or n, cache)
-                    if not args.interleave:
+                    if args.interleave and n_req is not None:
+                        r = await kept.load(config, n, n_req, args.max_tokens, first=rep * n_req)
+                    else:
                         r = await run_load(
                             config, n, n_req, args.max_tokens, prompts, progress=tick, duration=args.duration
-                        )
-                    else:
-                        engine = engines.get((spec, cache))
-                        if engine is None:
-                            engine = engines[spec, cache] = await kept.enter_async_context(Engine(config))
-                            await warm_up(engine, prompts)
-                        assert n_req is not None
-                        r = await load_engine(
-                            engine, n, n_req, args.max_tokens, prompts, tick, first=rep * n_req
                         )
                     close()
                     r.raw_tokens_per_s = raw[n]

@@ -8,13 +8,18 @@ compared with (their ratio is the engine's overhead).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
+import multiprocessing
+import multiprocessing.connection
 import os
 import platform
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +41,7 @@ __all__ = [
     "BURST_S",
     "Send",
     "BenchResult",
+    "KeptEngines",
     "COPY_PROMPTS",
     "PROMPTS",
     "PROMPT_SETS",
@@ -308,6 +314,82 @@ async def run_load(
         return await load_engine(
             engine, n_streams, n_requests, max_tokens, prompts, progress, duration, outputs
         )
+
+
+class KeptEngines:
+    """Engines kept open across loads, one per configuration, each in a process of its own and
+    warmed up once (``engine bench --interleave``): runs of variants that alternate on them
+    pair closely in time, without a fresh engine's start (loading, calibrating) in every run.
+
+    Not in this process: each engine's native thread leads its own OpenMP team, and libgomp
+    stops spinning at barriers once a process holds more of its threads than there are CPUs,
+    so an idle engine beside the one measured slowed it by a fifth (BENCHMARKS.md). The
+    processes are spawned: a script that uses this guards its main code with
+    ``if __name__ == "__main__"``."""
+
+    def __init__(self, prompts: Sequence[str | list[int]] | None = None) -> None:
+        self._prompts = list(prompts or PROMPTS)
+        self._workers: dict[EngineConfig, tuple[BaseProcess, Connection]] = {}
+
+    async def __aenter__(self) -> KeptEngines:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for process, conn in self._workers.values():
+            with contextlib.suppress(OSError):
+                conn.send(None)
+            await anyio.to_thread.run_sync(process.join, 60)
+            if process.is_alive():
+                process.kill()
+        self._workers.clear()
+
+    async def load(
+        self, config: EngineConfig, n_streams: int, n_requests: int, max_tokens: int, first: int = 0
+    ) -> BenchResult:
+        """:func:`load_engine` on ``config``'s engine (started on first use)."""
+        if config not in self._workers:
+            spawn = multiprocessing.get_context("spawn")
+            ours, theirs = spawn.Pipe()
+            worker = spawn.Process(target=_kept_engine, args=(config, self._prompts, theirs), daemon=True)
+            worker.start()
+            self._workers[config] = (worker, ours)
+        process, conn = self._workers[config]
+        conn.send((n_streams, n_requests, max_tokens, first))
+        ok, value = await anyio.to_thread.run_sync(_receive, conn, process)
+        if not ok:
+            raise RuntimeError(f"kept engine failed: {value}")
+        result: BenchResult = value
+        return result
+
+
+def _receive(conn: Connection, process: BaseProcess) -> tuple[bool, Any]:
+    """What a :class:`KeptEngines` process answers, or why it never will."""
+    if conn in multiprocessing.connection.wait([conn, process.sentinel]):
+        return conn.recv()  # type: ignore[no-any-return]
+    return False, f"its process ended (exit code {process.exitcode})"
+
+
+def _kept_engine(config: EngineConfig, prompts: list[str | list[int]], conn: Connection) -> None:
+    """A :class:`KeptEngines` process: one engine, a load per request on ``conn``."""
+
+    async def serve() -> None:
+        async with Engine(config) as engine:
+            await warm_up(engine, prompts)
+            while (job := await anyio.to_thread.run_sync(conn.recv)) is not None:
+                n_streams, n_requests, max_tokens, first = job
+                try:
+                    conn.send(
+                        (
+                            True,
+                            await load_engine(
+                                engine, n_streams, n_requests, max_tokens, prompts, first=first
+                            ),
+                        )
+                    )
+                except Exception as e:  # (the parent raises it)
+                    conn.send((False, repr(e)))
+
+    anyio.run(serve)
 
 
 async def warm_up(engine: Engine, prompts: Sequence[str | list[int]] | None = None) -> None:
