@@ -108,7 +108,10 @@ def render() -> str:
         "2026-12-04 on alternate which side goes first (off, on, on, off, ...); earlier ones ran "
         "off first in every repeat, which favours off while the machine slows down over a run "
         "(the held-out 16-stream row was 0.92x [0.88, 0.99] that way on 2026-12-03, 0.99x "
-        "[0.98, 1.02] alternating).",
+        "[0.98, 1.02] alternating). Runs with `--interleave` in their command (from 2026-12-07) "
+        "keep one engine per side, each in a process of its own, across the repeats: a pair of "
+        "runs is close in time, and no run pays for an engine's start; an engine's first "
+        "repeat is its first load, where the draft policy still learns.",
         "",
         "| prompts | N | off tok/s | on tok/s | on ÷ off | repeats | drafted / accepted |",
         "|---|---:|---:|---:|---:|---:|---:|",

@@ -3,8 +3,10 @@ module under ``engine``, nothing of it reaches stdout, and it configures nothing
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import os
 import subprocess
 import sys
 import textwrap
@@ -72,3 +74,24 @@ async def test_events_are_standard_log_records_under_engine(
     assert record.engine["request_id"] == "x" and record.engine["completion_tokens"] == 4  # type: ignore[attr-defined]
     assert record.getMessage().startswith("request.finished request_id='x'")
     assert logging.getLogger().handlers == root_handlers  # nothing configured globally
+
+
+async def test_a_second_engine_sharing_the_cpus_is_warned_about(
+    model_paths: dict[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two engines whose CPU threads outnumber the CPUs slow each other (each leads its own
+    OpenMP team): the second one's start says so, once; one engine alone says nothing."""
+    cpus = len(os.sched_getaffinity(0))
+    cfg = dataclasses.replace(config(model_paths, "walk-llama"), threads=cpus)
+
+    def warnings() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if getattr(r, "engine", {}).get("event") == "engine.cpus_shared"]
+
+    with caplog.at_level(logging.WARNING, logger="engine"):
+        async with Engine(cfg):
+            assert warnings() == []
+            async with Engine(cfg):
+                (warned,) = warnings()
+                assert warned.engine["engines"] == 2 and warned.engine["cpus"] == cpus  # type: ignore[attr-defined]
+        async with Engine(cfg):  # (the others closed)
+            assert len(warnings()) == 1

@@ -77,10 +77,10 @@ __all__ = [
     "run_http_conversations",
     "run_http_load",
     "run_load",
-    "warm_up",
     "run_overload",
     "speedups",
     "summarize",
     "summarize_overload",
     "summarize_turns",
+    "warm_up",
 ]

@@ -105,15 +105,15 @@ async def bench(args: argparse.Namespace, engine_config: EngineConfigOf) -> int:
                     label = f" repeat {rep + 1}/{args.repeats}" if args.repeats > 1 else ""
                     name = spec if cache else f"{spec} no-cache"
                     echo(f"engine: {name:>23} N={n:<3} {what} x {args.max_tokens} tokens{label} ...")
-                    tick, close = _progress(n_req, f"{name} N={n}")
                     config = engine_config(args, spec, args.n_seq or n, cache)
-                    if args.interleave and n_req is not None:
+                    if args.interleave and n_req is not None:  # (in its own process: no progress bar)
                         r = await kept.load(config, n, n_req, args.max_tokens, first=rep * n_req)
                     else:
+                        tick, close = _progress(n_req, f"{name} N={n}")
                         r = await run_load(
                             config, n, n_req, args.max_tokens, prompts, progress=tick, duration=args.duration
                         )
-                    close()
+                        close()
                     r.raw_tokens_per_s = raw[n]
                     results.append(r)
     echo()

@@ -378,16 +378,13 @@ def _kept_engine(config: EngineConfig, prompts: list[str | list[int]], conn: Con
             while (job := await anyio.to_thread.run_sync(conn.recv)) is not None:
                 n_streams, n_requests, max_tokens, first = job
                 try:
-                    conn.send(
-                        (
-                            True,
-                            await load_engine(
-                                engine, n_streams, n_requests, max_tokens, prompts, first=first
-                            ),
-                        )
+                    result = await load_engine(
+                        engine, n_streams, n_requests, max_tokens, prompts, first=first
                     )
                 except Exception as e:  # (the parent raises it)
                     conn.send((False, repr(e)))
+                else:
+                    conn.send((True, result))
 
     anyio.run(serve)
 

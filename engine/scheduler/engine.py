@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import uuid
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -108,6 +110,7 @@ class Engine:
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
         self._task_group.start_soon(self._step_loop, name="engine-step-loop")
+        _warn_if_cpus_shared(self)
         log.info(
             "engine.started",
             model=self._model.info.path if self._model else None,
@@ -476,3 +479,28 @@ def _chat_template(model: Model, config: Any) -> ChatTemplate | None:
     ):
         return None
     return model.chat_template(config.chat_template)
+
+
+#: engines started in this process and not yet closed
+_running: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+def _warn_if_cpus_shared(engine: Engine) -> None:
+    """Warn when this process's engines use more CPU threads than it has CPUs.
+
+    Each engine's native thread leads its own OpenMP team for llama.cpp's CPU kernels, and
+    libgomp stops spin-waiting at barriers once a process holds more of its threads than it
+    has CPUs: a second engine, even idle, slowed the first one's steps by about a fifth on
+    2 cores (BENCHMARKS.md, "Speculation: notes on the runs")."""
+    _running.add(engine)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    live = [e for e in _running if e._runtime is not None and not e._closed]
+    threads = sum(e.config.threads or cpus for e in live)
+    if len(live) > 1 and threads > cpus:
+        log.warning(
+            "engine.cpus_shared",
+            engines=len(live),
+            threads=threads,
+            cpus=cpus,
+            advice="run one engine per process (as the cluster's replicas do)",
+        )
