@@ -119,7 +119,13 @@ def markdown(report: list[dict[str, object]], args: argparse.Namespace) -> str:
         "",
         f"`python benchmarks/drafters.py {' '.join(sys.argv[1:])}`: {args.threads} threads, "
         f"{args.max_tokens} tokens per request, greedy, {args.requests or '16N (at least 32)'} requests per N, "
-        f"median of {args.repeats} interleaved repeats [min, max]. The tiny targets decode a step "
+        f"median of {args.repeats} interleaved repeats [min, max]"
+        + (
+            ", each on a fresh engine"
+            if args.fresh_engines
+            else " on one engine per side, each in a process of its own, kept across the repeats"
+        )
+        + ". The tiny targets decode a step "
         "in 1–4 ms, so a drafter's own work (its decode of the batch, the target's hidden states "
         "it reads) weighs as much as the target itself: the draft policy measures it at start "
         "and online, a draft model catches up only when it drafts, and a hidden-state drafter "
