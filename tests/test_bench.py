@@ -100,8 +100,13 @@ async def test_loads_on_a_kept_engine_send_the_next_prompts_and_count_only_their
     request ``i`` of a load starting at ``first`` is the sequence's request ``first + i``,
     and a load counts its own drafts, not the engine's since it started."""
     prompts = [[1] + [100 + 37 * i + j for j in range(12)] for i in range(5)]  # (token ids)
-    config = EngineConfig(
-        model=model_paths["walk-llama-cycle6"], speculative="ngram-simple", n_seq=2, n_ctx=256, threads=2
+    config = EngineConfig(  # ("fixed": every match drafted, so both loads draft)
+        model=model_paths["walk-llama-cycle6"],
+        speculative="ngram-simple",
+        draft_policy="fixed",
+        n_seq=2,
+        n_ctx=256,
+        threads=2,
     )
     async with Engine(config) as engine:
         await warm_up(engine, prompts)
