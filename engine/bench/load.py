@@ -308,7 +308,6 @@ async def run_load(
     outputs: dict[int, list[int]] | None = None,
 ) -> BenchResult:
     """:func:`load_engine` on a fresh engine: its own load from start to end."""
-    prompts = prompts or PROMPTS
     async with Engine(config) as engine:
         await warm_up(engine, prompts)
         return await load_engine(
