@@ -12,7 +12,7 @@ import pytest
 
 from engine import Engine, EngineConfig, RequestError, SamplingParams, SpeculativeConfig
 from engine.scheduler.request import RequestState
-from engine.session import ClosedError, ContextConfig, SessionError, SpeculativeSession
+from engine.session import ClosedError, ContextConfig, Runtime, SessionError, SpeculativeSession
 from tests.aio import Task, gather
 from tests.conftest import ModelCache
 from tests.helpers import assert_kv_accounted, both_backends, config, wait_until  # noqa: F401 - both backends
@@ -219,3 +219,31 @@ async def test_a_failing_decode_fails_only_its_request(model_paths: dict[str, Pa
         again = await gather(*(engine.generate(p, params) for p in prompts))
         assert [o.token_ids for o in again] == solo
         await assert_kv_accounted(engine)
+
+
+async def test_engines_sharing_a_runtime_take_turns_on_its_thread(model_paths: dict[str, Path]) -> None:
+    """Two engines on one runtime serve their own requests as each would alone (greedy),
+    their steps on the runtime's one thread; closing one leaves the other and the runtime
+    serving; neither closes the runtime it was given."""
+    prompts = [[1000 + i, 2000, 3000 + i] for i in range(6)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    off_cfg = config(model_paths, "walk-llama", n_ctx=512)
+    on_cfg = eagle_config(model_paths)
+    alone = {}
+    for name, cfg in (("off", off_cfg), ("on", on_cfg)):
+        async with Engine(cfg) as engine:
+            alone[name] = [(await engine.generate(p, params)).token_ids for p in prompts]
+    with Runtime() as runtime:
+        off, on = Engine(off_cfg, runtime=runtime), Engine(on_cfg, runtime=runtime)
+        async with off:
+            async with on:
+                outs = await gather(
+                    *(off.generate(p, params) for p in prompts), *(on.generate(p, params) for p in prompts)
+                )
+                threads = {off._runtime.thread_id, on._runtime.thread_id, runtime.thread_id}  # type: ignore[union-attr]
+            assert [o.token_ids for o in outs] == alone["off"] + alone["on"]
+            assert on.metrics.steps > 0 and on.metrics.host_seconds > 0 and on.metrics.step_seconds > 0
+            assert not runtime.closed  # (the closed engine left it)
+            assert (await off.generate(prompts[0], params)).token_ids == alone["off"][0]
+        assert not runtime.closed
+    assert len(threads) == 1 and runtime.closed

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from engine import Engine, SamplingParams
+from engine.session import Runtime
 from tests.helpers import config
 
 SCRIPT = """
@@ -95,3 +96,6 @@ async def test_a_second_engine_sharing_the_cpus_is_warned_about(
                 assert warned.engine["engines"] == 2 and warned.engine["cpus"] == cpus  # type: ignore[attr-defined]
         async with Engine(cfg):  # (the others closed)
             assert len(warnings()) == 1
+        with Runtime() as runtime:  # engines sharing one native thread share its team
+            async with Engine(cfg, runtime=runtime), Engine(cfg, runtime=runtime):
+                assert len(warnings()) == 1

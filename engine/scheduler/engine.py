@@ -21,6 +21,7 @@ import uuid
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from time import perf_counter
 from typing import Any
 
 import anyio
@@ -68,10 +69,16 @@ class Engine:
     Use as ``async with Engine(config) as engine:``; see :meth:`generate` and :meth:`stream`.
     """
 
-    def __init__(self, config: EngineConfig | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, *, runtime: Runtime | None = None) -> None:
+        """``runtime``: a native thread to share with other engines instead of one of this
+        engine's own. Their steps then take turns on it, under one OpenMP team: what a
+        measurement comparing two engines wants (``benchmarks/idle_cost.py``), not serving,
+        where each engine would wait for the others' steps. The engine does not close a
+        runtime it was given, and what it loaded stays on it until the runtime is closed."""
         self.config = config or EngineConfig()
         self.metrics = EngineMetrics()
         self._runtime: Runtime | None = None
+        self._given_runtime = runtime
         self._session: SpeculativeSession | None = None
         self._runner: Any = None
         self._model: Model | None = None
@@ -100,11 +107,12 @@ class Engine:
         """
         if self._runtime is not None or self._closed:
             return
-        self._runtime = Runtime()
+        self._runtime = self._given_runtime or Runtime()
         try:
             await anyio.to_thread.run_sync(self._open)
         except BaseException:
-            self._runtime.close()
+            if self._given_runtime is None:
+                self._runtime.close()
             self._runtime = None
             raise
         self._task_group = anyio.create_task_group()
@@ -158,7 +166,7 @@ class Engine:
         with anyio.CancelScope(shield=True):
             if self._scheduler is not None:
                 self._scheduler.end_all(self._dead)
-            if self._runtime is not None:
+            if self._runtime is not None and self._given_runtime is None:
                 await anyio.to_thread.run_sync(self._runtime.close)
         log.info("engine.closed", steps=self.metrics.steps)
 
@@ -350,13 +358,18 @@ class Engine:
             while True:
                 plan: Plan | None = None
                 try:
+                    t0 = perf_counter()
                     plan = scheduler.schedule()
                     if plan.empty:
                         await self._wait_for_work()
                         continue
-                    result = await runtime.wait(self._runner.step_async(step_plan(plan)))
+                    native = self._runner.step_async(step_plan(plan))
+                    t1 = perf_counter()
+                    result = await runtime.wait(native)
                     ended = self.metrics.requests_finished
+                    t2 = perf_counter()
                     scheduler.update(plan, result)
+                    self.metrics.host_seconds += perf_counter() - t2 + t1 - t0
                     faults = 0
                     await self._let_callers_submit(self.metrics.requests_finished > ended)
                 except ClosedError:
@@ -494,7 +507,8 @@ def _warn_if_cpus_shared(engine: Engine) -> None:
     2 cores (BENCHMARKS.md, "Speculation: notes on the runs")."""
     _running.add(engine)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    live = [e for e in _running if e._runtime is not None and not e._closed]
+    # (engines sharing a runtime share its thread and OpenMP team: counted once)
+    live = {id(e._runtime): e for e in _running if e._runtime is not None and not e._closed}.values()
     threads = sum(e.config.threads or cpus for e in live)
     if len(live) > 1 and threads > cpus:
         log.warning(

@@ -45,6 +45,8 @@ class EngineMetrics:
     step_faults: int = 0  #: steps whose planning, native call or output handling raised
     occupancy_sum: float = 0.0  #: sum over steps of active sequences / n_seq
     step_seconds: float = 0.0  #: sum over steps of the native step's time
+    #: sum over steps of the event loop's time planning the step and applying its result
+    host_seconds: float = 0.0
     generated_tokens: int = 0
     drafted: int = 0
     accepted: int = 0  #: drafts kept (accepted by verification and before any stop)

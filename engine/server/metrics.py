@@ -92,6 +92,13 @@ class EngineCollector(Collector):
         step = SummaryMetricFamily("engine:step_seconds", "Time of the native engine step.", labels=names)
         step.add_metric(values, m.steps, m.step_seconds)
         yield step
+        host = SummaryMetricFamily(
+            "engine:host_seconds",
+            "Time of the event loop planning a step and applying its result.",
+            labels=names,
+        )
+        host.add_metric(values, m.steps, m.host_seconds)
+        yield host
 
 
 def metrics_registry(engine: Engine, model_name: str, vllm_names: bool = False) -> CollectorRegistry:

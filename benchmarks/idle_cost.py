@@ -1,0 +1,191 @@
+"""What speculation on costs a step when nothing is drafted, per drafter, resolved to a few
+tenths of a per cent: speculation off and on as two engines on ONE native thread.
+
+Throughput ratios between runs (``benchmarks/drafters.py``) cannot resolve 2 % on a shared
+machine: identical work moves by 10 % and more between runs seconds apart. Here the two
+engines share one runtime (``Engine(config, runtime=...)``): each serves the same closed-loop
+load, their steps take turns on the thread, under one OpenMP team, so whatever the machine
+does falls on both sides alike. Per engine and repeat: the native step's milliseconds per
+step (``EngineMetrics.step_seconds``) and the event loop's microseconds planning a step and
+applying its result (``EngineMetrics.host_seconds``). ``step on ÷ off`` is
+
+    (native + host, off) / (native + host, on)
+
+per repeat: what the step alone gives up, with the rest of the loop (the callers, the event
+loop's turns: about as much again as the host part on a tiny model) counted on neither side,
+so it overstates the cost. It is the throughput ratio only while both sides take the same
+steps: a row in which the on-side drafted says so.
+
+    python benchmarks/idle_cost.py [--streams 1,4,16] [--repeats 5] [--only 'scenario;...']
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import anyio
+
+from engine import Engine
+from engine.bench import default_requests, load_engine, warm_up
+from engine.session import Runtime
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from drafters import ROOT, SCENARIOS, config  # noqa: E402
+
+sys.path.insert(0, str(ROOT))
+from tests.models.make_models import build_all  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+async def measure(
+    cfg_off: object, cfg_on: object, n: int, args: argparse.Namespace
+) -> list[dict[str, float]]:
+    """Per repeat: each side's native ms and host µs per step, and what the on-side drafted."""
+    prompts = args.prompts
+    n_req = args.requests or 4 * default_requests(n)
+    runtime = Runtime()
+    try:
+        off, on = Engine(cfg_off, runtime=runtime), Engine(cfg_on, runtime=runtime)  # type: ignore[arg-type]
+        async with off, on:
+            for e in (off, on):
+                await warm_up(e, prompts)
+            reps = []
+            for rep in range(args.repeats):
+                before = [
+                    (e.metrics.steps, e.metrics.step_seconds, e.metrics.host_seconds) for e in (off, on)
+                ]
+                drafted: dict[str, int] = {}
+                async with anyio.create_task_group() as tg:
+                    for side, e in (("off", off), ("on", on)):
+                        tg.start_soon(_load, e, n, n_req, args, rep * n_req, drafted, side)
+                row: dict[str, float] = {"drafted": drafted["on"]}
+                for side, e, (steps, native, host) in zip(("off", "on"), (off, on), before, strict=True):
+                    k = e.metrics.steps - steps
+                    row[f"steps_{side}"] = k
+                    row[f"native_ms_{side}"] = (e.metrics.step_seconds - native) / k * 1e3
+                    row[f"host_us_{side}"] = (e.metrics.host_seconds - host) / k * 1e6
+                row["ratio"] = (row["native_ms_off"] + row["host_us_off"] / 1e3) / (
+                    row["native_ms_on"] + row["host_us_on"] / 1e3
+                )
+                reps.append(row)
+            return reps
+    finally:
+        runtime.close()
+
+
+async def _load(
+    engine: Engine,
+    n: int,
+    n_req: int,
+    args: argparse.Namespace,
+    first: int,
+    drafted: dict[str, int],
+    side: str,
+) -> None:
+    r = await load_engine(engine, n, n_req, args.max_tokens, args.prompts, first=first)
+    drafted[side] = r.drafted
+
+
+def summary(name: str, n: int, reps: list[dict[str, float]]) -> dict[str, object]:
+    med = {k: statistics.median(r[k] for r in reps) for k in reps[0]}
+    native = [r["native_ms_on"] / r["native_ms_off"] for r in reps]
+    ratios = [r["ratio"] for r in reps]
+    return {
+        "scenario": name,
+        "n": n,
+        "repeats": reps,
+        "native_on_off": statistics.median(native),
+        "native_min": min(native),
+        "native_max": max(native),
+        "host_us_off": med["host_us_off"],
+        "host_us_on": med["host_us_on"],
+        "native_ms_off": med["native_ms_off"],
+        "ratio": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "drafted": sum(int(r["drafted"]) for r in reps),
+    }
+
+
+def markdown(rows: list[dict[str, object]], args: argparse.Namespace) -> str:
+    lines = [
+        "## What speculation on costs a step that drafts nothing",
+        "",
+        f"`python benchmarks/idle_cost.py {' '.join(sys.argv[1:])}` ({args.machine}): the tiny models "
+        "of the drafter table, speculation off and on as two engines on one native thread, serving "
+        f"the same closed-loop load ({args.max_tokens} greedy tokens a request, "
+        f"{args.requests or '4N (at least 8)'} requests a repeat, {args.threads} threads), their "
+        "steps taking turns; medians of the repeats [min, max]. `native` is the native step's time "
+        "per step, on ÷ off; `host` the event loop's microseconds a step planning it and applying "
+        "its result; `step on ÷ off` is (native + host, off) ÷ (native + host, on), the rest of "
+        "the loop counted on neither side. See the script's docstring.",
+        "",
+        "| scenario | N | native on ÷ off | native ms / step, off | host µs / step, off / on | step on ÷ off | drafted |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['scenario']} | {r['n']} | {r['native_on_off']:.3f} [{r['native_min']:.3f}, {r['native_max']:.3f}] "
+            f"| {r['native_ms_off']:.2f} | {r['host_us_off']:.0f} / {r['host_us_on']:.0f} "
+            f"| **{r['ratio']:.3f}** [{r['ratio_min']:.3f}, {r['ratio_max']:.3f}] | {r['drafted']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+async def main(args: argparse.Namespace) -> int:
+    paths = build_all(ROOT / "tests" / "models" / ".generated")
+    args.prompts = [[1] + [100 + 37 * i + j for j in range(12)] for i in range(8)]  # token ids
+    only = args.only.split(";") if args.only else None
+    rows = []
+    for name, target, spec, draft in SCENARIOS:
+        if only is not None and name not in only:
+            continue
+        for n in [int(x) for x in args.streams.split(",")]:
+            reps = await measure(
+                config(paths, target, "none", draft, n, args),
+                config(paths, target, spec, draft, n, args),
+                n,
+                args,
+            )
+            row = summary(name, n, reps)
+            rows.append(row)
+            print(
+                f"{name:<26} N={n:<3} native on ÷ off {row['native_on_off']:.3f} "
+                f"host µs off {row['host_us_off']:.0f} on {row['host_us_on']:.0f}  "
+                f"step on ÷ off {row['ratio']:.3f} [{row['ratio_min']:.3f}, {row['ratio_max']:.3f}]  "
+                f"drafted {row['drafted']}",
+                flush=True,
+            )
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(rows, args))
+    return 0
+
+
+if __name__ == "__main__":
+    from engine.bench import machine_info
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--streams", default="1,4,16")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--requests", type=int, help="requests per repeat (default 4N, at least 8)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--n-draft", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--only", help="scenario names separated by ; (default: all)")
+    ap.add_argument("--json", help="default: benchmarks/results/idle_cost.json (a full run)")
+    ap.add_argument("--markdown", help="default: benchmarks/results/idle_cost.md (a full run)")
+    args = ap.parse_args()
+    info = machine_info()
+    args.machine = f"{info['cpu']}, {info['cores']} cores, {time.strftime('%Y-%m-%d', time.gmtime())}"
+    if not args.only and args.streams == ap.get_default("streams"):
+        args.json = args.json or str(RESULTS / "idle_cost.json")
+        args.markdown = args.markdown or str(RESULTS / "idle_cost.md")
+    sys.exit(anyio.run(main, args))
