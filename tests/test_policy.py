@@ -32,6 +32,11 @@ def tiled_cost(max_rows: int = 64) -> StepCost:
     return cost
 
 
+def by_seq(outputs: list[SimpleNamespace]) -> dict[int, SimpleNamespace]:
+    """A step's outputs by sequence, as the scheduler hands them to the policy."""
+    return {out.seq: out for out in outputs}
+
+
 def step_result(outputs: list[SimpleNamespace], t_decode_us: float) -> SimpleNamespace:
     """A native step's result as the policy reads it: one decode of every output's rows."""
     return SimpleNamespace(
@@ -328,7 +333,7 @@ def test_drafting_every_match_is_priced_by_what_its_steps_delivered() -> None:
         policy.lengths(seqs)
         outputs = [SimpleNamespace(seq=i, drafted=8, produced=8, accepted=2) for i in range(4)]
         policy._matching.clear()  # (priced again at once, as after a rejected draft)
-        policy.observe([], step_result(outputs, t_decode_us=2e6 * taken[2]))
+        policy.observe([], step_result(outputs, t_decode_us=2e6 * taken[2]), by_seq(outputs))
     policy._matching.clear()
     policy.lengths(seqs)
     assert policy._taken is None or policy._taken[0] is not policy._realized  # (every match: no longer)
@@ -670,7 +675,7 @@ def _step(policy: DraftPolicy, work: list[SimpleNamespace], drafted: int) -> Non
     outputs = [
         SimpleNamespace(seq=w.request.slot, drafted=drafted, produced=drafted, accepted=0) for w in work
     ]
-    policy.observe(work, step_result(outputs, t_decode_us=20_000))
+    policy.observe(work, step_result(outputs, t_decode_us=20_000), by_seq(outputs))
 
 
 def test_a_probe_that_drafted_nothing_backs_off_as_a_rejected_one() -> None:
@@ -708,3 +713,29 @@ def test_a_step_whose_choice_of_none_stands_builds_nothing() -> None:
     gated = DraftPolicy(cost=linear_cost(0.010, 0.004), sync=DrafterSync.STREAM)
     gated.gate.open = False
     assert gated.choose(unreadable, 256, 6, 512, step=1) == ([0] * 16, [0] * 16, None)
+
+
+def test_asking_every_match_on_a_standing_price_chooses_as_the_full_choice_does() -> None:
+    """``choose``'s shortcut for an n-gram drafter whose price of asking every match stands
+    leaves the policy as :meth:`DraftPolicy.lengths` would: the same lengths, the same steps
+    counted, the same price taken, and a price that expires is computed again."""
+    short, full = (DraftPolicy(cost=linear_cost(0.010, 0.004), every_match=True) for _ in range(2))
+    for policy in (short, full):
+        for i in range(100):
+            policy.engine.record(8, 8 if i % 3 == 0 else 0, 7 if i % 3 == 0 else 0)  # (7 of 8 right)
+    requests = [
+        SimpleNamespace(
+            draft_stats=DraftStats(),
+            drafter_in_sync=True,
+            n_past=20,
+            params=SimpleNamespace(max_tokens=100),
+            output_ids=[],
+            drafter_upto=20,
+        )
+        for _ in range(4)
+    ]
+    for step in range(1, 80):  # (a price stands 64 steps of 4 sequences here: priced at 1 and 65)
+        drafts = short.choose(requests, 256, 8, 512, step=step)
+        assert drafts.lengths == full.lengths([Drafting(r.draft_stats, 8) for r in requests]) == [8] * 4
+        assert (short.asked, short.k_cap, short._taken) == (full.asked, full.k_cap, full._taken)
+    assert short._matching == full._matching and [p.asked for p in short._matching.values()] == [4 * 65]

@@ -333,8 +333,9 @@ class Scheduler:
         """Apply one native step's result: captures, errors, then each request's outputs.
         A fault while applying one request's part fails that request alone."""
         self._count(plan, result)
+        outputs = {out.seq: out for out in result.outputs}  # (each read of it builds a new list)
         if self._speculative:  # (without a drafter there is nothing to learn)
-            self.policy.observe(plan.work, result)
+            self.policy.observe(plan.work, result, outputs)
         preempted = dict(plan.preempted)
         for cap in result.captures:
             if (victim := preempted.pop(cap.seq, None)) is not None:
@@ -356,7 +357,6 @@ class Scheduler:
             if r is not None:
                 cls = getattr(session_errors, err.kind, SessionError)
                 self.fail(r, cls(err.message))
-        outputs = {out.seq: out for out in result.outputs}
         for w in plan.work:
             r = w.request
             if r.slot is None or r.state not in (RequestState.PREFILL, RequestState.DECODE):

@@ -128,7 +128,8 @@ class _Realized:
         )
 
 
-class _Idle(NamedTuple):
+@dataclass(slots=True)
+class _Idle:
     """A choice of no drafts, standing (see :attr:`Tuning.recheck_every`)."""
 
     #: the engine's verifications in which the drafter produced a token, when it was
@@ -252,25 +253,30 @@ class DraftPolicy:
             self._forget_choice()
             self.asked += n
             return Drafts([0] * n, [0] * n, None)
-        catch_up = self.sync is DrafterSync.CATCH_UP
-        seqs = [
-            Drafting(
-                r.draft_stats,
-                # (the context keeps room for the drafts and the token sampled after them)
-                max(0, min(n_draft_max, n_ctx - r.n_past - 2, r.params.max_tokens - len(r.output_ids) - 1))
-                if r.drafter_in_sync
-                else 0,
-                probe=i == probe,
-                lag=r.n_past - r.drafter_upto if catch_up else 0,
-            )
-            for i, r in enumerate(decoding)
+        caps = [
+            # (the context keeps room for the drafts and the token sampled after them)
+            max(0, min(n_draft_max, n_ctx - r.n_past - 2, r.params.max_tokens - len(r.output_ids) - 1))
+            if r.drafter_in_sync
+            else 0
+            for r in decoding
         ]
-        ks = self.lengths(seqs)
+        if self._every_match_stands(n, caps):  # (an n-gram drafter's steps while that pays)
+            ks = list(caps)
+        else:
+            catch_up = self.sync is DrafterSync.CATCH_UP
+            ks = self.lengths(
+                [
+                    Drafting(
+                        r.draft_stats, cap, probe=i == probe, lag=r.n_past - r.drafter_upto if catch_up else 0
+                    )
+                    for i, (r, cap) in enumerate(zip(decoding, caps, strict=True))
+                ]
+            )
         if self.uniform and n:
             ks = [min(k, room // n) for k in ks]
         while sum(ks) > room:  # shorten the longest drafts first
             ks[max(range(n), key=lambda i: ks[i])] -= 1
-        return Drafts(ks, [s.max_k for s in seqs], self.probed)
+        return Drafts(ks, caps, self.probed)
 
     def tiles(self) -> tuple[int, int]:
         """(tile, from rows): how the native step pads a batch's rows with logits to whole
@@ -281,6 +287,8 @@ class DraftPolicy:
         """Whether this step's batch goes to the drafter (see :meth:`sync_step`)."""
         if self.sync is not DrafterSync.STREAM:
             return True  # (the other drafters are always fed)
+        if not self.gate.open and step < self.gate.retry_at:
+            return False  # (shut: what the batch holds does not matter)
         decoding = [w for w in work if w.decoding]
         return self.sync_step(
             step,
@@ -290,15 +298,14 @@ class DraftPolicy:
             any(w.request.drafter_in_sync for w in decoding),
         )
 
-    def observe(self, work: Sequence[WorkItem], result: Any) -> None:
-        """A native step's result (``_nb_spec.StepResult``): each verification, a probe's
-        outcome, and what the step cost."""
-        outs = result.outputs  # (each read of it builds a new list)
-        outputs = {out.seq: out for out in outs}
+    def observe(self, work: Sequence[WorkItem], result: Any, outputs: dict[int, Any]) -> None:
+        """A native step's result (``_nb_spec.StepResult``, its outputs by sequence): each
+        verification, a probe's outcome, and what the step cost."""
+        asked = False
         for w in work:
-            out = outputs.get(w.request.slot) if w.sample else None
-            if out is None or w.n_draft == 0:
+            if w.n_draft == 0 or (out := outputs.get(w.request.slot)) is None:
                 continue
+            asked = True
             if w.probe:  # (a drafter that produced nothing has nothing right to show either)
                 self.observe_probe(out.drafted > 0 and out.accepted > 0)
             stats = w.request.draft_stats
@@ -306,7 +313,13 @@ class DraftPolicy:
                 self.observe_verification(stats, out.drafted, out.drafted, out.accepted)
             else:  # (fillers past what the drafter produced may be accepted too: not its merit)
                 self.observe_verification(stats, w.n_draft, out.produced, min(out.accepted, out.produced))
-        if result.n_decode_calls == 1:  # (several: a batch over n_batch, or a retry)
+        if result.n_decode_calls != 1:  # (several: a batch over n_batch, or a retry)
+            return
+        t_decode = (result.t_decode_us - result.t_process_us) / 1e6
+        if not asked and self._taken is None:  # (most steps of an idle drafter: a row a sequence)
+            self.cost.observe(len(outputs), result.n_batch_tokens - len(outputs), t_decode)
+        else:
+            outs = outputs.values()
             rows = sum(1 + out.drafted for out in outs)  # the rows that needed logits
             produced = [out.produced for out in outs if out.produced]
             taken, self._taken = self._taken, None
@@ -319,11 +332,12 @@ class DraftPolicy:
             self.observe_step(
                 rows,
                 result.n_batch_tokens - rows,
-                (result.t_decode_us - result.t_process_us) / 1e6,
+                t_decode,
                 max(produced, default=0),
                 len(produced),
                 result.t_draft_us / 1e6,
             )
+        if result.n_sync_tokens:
             self.observe_sync(result.n_sync_tokens, (result.t_process_us + result.t_catch_up_us) / 1e6)
 
     def prior(self, m: int) -> tuple[float, float]:
@@ -393,7 +407,22 @@ class DraftPolicy:
         idle = self._idle
         if idle is None or idle.matched != self.engine.matched or n < idle.n or idle.steps >= idle.stands:
             return False
-        self._idle = idle._replace(steps=idle.steps + 1)
+        idle.steps += 1
+        return True
+
+    def _every_match_stands(self, n: int, caps: list[int]) -> bool:
+        """Whether this step asks every sequence for its longest draft on a price that stands
+        (what :meth:`lengths` would choose, known without building its inputs); if so, it
+        counts the step as that choice."""
+        if not (self.adaptive and self.every_match and not self.uniform and n):
+            return False
+        k_cap = max(self.k_cap, *caps)
+        known = self._matching.get((n, k_cap))
+        if known is None or not known.pays or not self._price_stands(known, n, ahead=n):
+            return False
+        self._forget_choice()
+        self.asked, self.k_cap = self.asked + n, k_cap
+        self._idle, self._taken = None, (self._realized, known.gain, known.seconds)
         return True
 
     def _none_stands(self, n: int) -> bool:
@@ -488,15 +517,15 @@ class DraftPolicy:
             self._realized.age()
         return pays
 
-    def _price_stands(self, known: _Price, n: int) -> bool:
+    def _price_stands(self, known: _Price, n: int, ahead: int = 0) -> bool:
         """Whether a price of drafting every match for ``n`` sequences still stands (see
-        :meth:`_every_match_pays`)."""
+        :meth:`_every_match_pays`), ``ahead`` sequences' steps from now."""
         e = self.engine
         if e.rejected != known.rejected:
             life = n
         else:
             life = max(8 * n, 32) * (1 if e.matched != known.matched else self.tuning.unmatched_life)
-        return self.asked - known.asked < life
+        return self.asked + ahead - known.asked < life
 
     def _row(self, n: int) -> float:
         """Seconds one more row adds to a step of ``n`` decoding sequences (the mean over

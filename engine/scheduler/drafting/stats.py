@@ -63,15 +63,20 @@ class DraftStats:
             self._scale *= self.decay
             if self._scale < 1e-100:  # (long before the stored values could overflow)
                 self._rescale()
-        produced, accepted = min(produced, requested), min(accepted, produced, requested)
-        if produced > 0:
-            self.matched += 1
-        if accepted < produced:
-            self.rejected += 1
         diffs, sums, unit = self._diffs, self._sums, 1.0 / self._scale
         if len(diffs[0]) <= requested:
             for d in diffs:
                 d.extend([0.0] * (requested + 1 - len(d)))
+        if produced <= 0:  # (most records of an n-gram drafter asked without a match)
+            d = diffs[_REQUESTED]
+            d[0] += unit
+            d[requested] -= unit
+            sums[_REQUESTED] += unit * requested
+            return
+        produced, accepted = min(produced, requested), min(accepted, produced, requested)
+        self.matched += 1
+        if accepted < produced:
+            self.rejected += 1
         for series, upto in ((_REQUESTED, requested), (_PRODUCED, produced), (_ACCEPTED, accepted)):
             if upto > 0:
                 d = diffs[series]
