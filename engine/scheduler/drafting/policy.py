@@ -298,7 +298,7 @@ class DraftPolicy:
             any(w.request.drafter_in_sync for w in decoding),
         )
 
-    def observe(self, work: Sequence[WorkItem], result: Any, outputs: dict[int, Any]) -> None:
+    def observe(self, work: Sequence[WorkItem], result: Any, outputs: dict[Any, Any]) -> None:
         """A native step's result (``_nb_spec.StepResult``, its outputs by sequence): each
         verification, a probe's outcome, and what the step cost."""
         asked = False
