@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 import time
@@ -30,8 +31,9 @@ from pathlib import Path
 
 import anyio
 
-from engine import Engine
+from engine import Engine, EngineConfig
 from engine.bench import default_requests, load_engine, warm_up
+from engine.scheduler.params import default_model_path, engine_speculative
 from engine.session import Runtime
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -43,15 +45,21 @@ from tests.models.make_models import build_all  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results"
 
 
+def gemma(spec: str, n: int, args: argparse.Namespace) -> EngineConfig:
+    """Gemma 3 270M (the default model) with the engine's n-gram defaults."""
+    return EngineConfig(
+        model=default_model_path(), speculative=engine_speculative(spec, n), n_seq=n, threads=args.threads
+    )
+
+
 async def measure(
-    cfg_off: object, cfg_on: object, n: int, args: argparse.Namespace
+    cfg_off: EngineConfig, cfg_on: EngineConfig, n: int, args: argparse.Namespace, prompts: list | None
 ) -> list[dict[str, float]]:
     """Per repeat: each side's native ms and host µs per step, and what the on-side drafted."""
-    prompts = args.prompts
     n_req = args.requests or 4 * default_requests(n)
     runtime = Runtime()
     try:
-        off, on = Engine(cfg_off, runtime=runtime), Engine(cfg_on, runtime=runtime)  # type: ignore[arg-type]
+        off, on = Engine(cfg_off, runtime=runtime), Engine(cfg_on, runtime=runtime)
         async with off, on:
             for e in (off, on):
                 await warm_up(e, prompts)
@@ -63,7 +71,7 @@ async def measure(
                 drafted: dict[str, int] = {}
                 async with anyio.create_task_group() as tg:
                     for side, e in (("off", off), ("on", on)):
-                        tg.start_soon(_load, e, n, n_req, args, rep * n_req, drafted, side)
+                        tg.start_soon(_load, e, n, n_req, args, prompts, rep * n_req, drafted, side)
                 row: dict[str, float] = {"drafted": drafted["on"]}
                 for side, e, (steps, native, host) in zip(("off", "on"), (off, on), before, strict=True):
                     k = e.metrics.steps - steps
@@ -84,11 +92,12 @@ async def _load(
     n: int,
     n_req: int,
     args: argparse.Namespace,
+    prompts: list | None,
     first: int,
     drafted: dict[str, int],
     side: str,
 ) -> None:
-    r = await load_engine(engine, n, n_req, args.max_tokens, args.prompts, first=first)
+    r = await load_engine(engine, n, n_req, args.max_tokens, prompts, first=first)
     drafted[side] = r.drafted
 
 
@@ -114,11 +123,12 @@ def summary(name: str, n: int, reps: list[dict[str, float]]) -> dict[str, object
 
 
 def markdown(rows: list[dict[str, object]], args: argparse.Namespace) -> str:
+    tiny = any(not str(r["scenario"]).startswith("Gemma") for r in rows)
     lines = [
-        "## What speculation on costs a step that drafts nothing",
+        "## What speculation on costs a step that drafts nothing" + ("" if tiny else ": Gemma 3 270M"),
         "",
-        f"`python benchmarks/idle_cost.py {' '.join(sys.argv[1:])}` ({args.machine}): the tiny models "
-        "of the drafter table, speculation off and on as two engines on one native thread, serving "
+        f"`python benchmarks/idle_cost.py {shlex.join(sys.argv[1:])}` ({args.machine}): the tiny models "
+        "of the drafter table (and Gemma 3 270M where a row says so), speculation off and on as two engines on one native thread, serving "
         f"the same closed-loop load ({args.max_tokens} greedy tokens a request, "
         f"{args.requests or '4N (at least 8)'} requests a repeat, {args.threads} threads), their "
         "steps taking turns; medians of the repeats [min, max]. `native` is the native step's time "
@@ -140,28 +150,30 @@ def markdown(rows: list[dict[str, object]], args: argparse.Namespace) -> str:
 
 async def main(args: argparse.Namespace) -> int:
     paths = build_all(ROOT / "tests" / "models" / ".generated")
-    args.prompts = [[1] + [100 + 37 * i + j for j in range(12)] for i in range(8)]  # token ids
+    tiny_prompts = [[1] + [100 + 37 * i + j for j in range(12)] for i in range(8)]  # token ids
     only = args.only.split(";") if args.only else None
+    runs = [
+        (name, n, config(paths, target, "none", draft, n, args), config(paths, target, spec, draft, n, args))
+        for name, target, spec, draft in SCENARIOS
+        if only is None or name in only
+        for n in [int(x) for x in args.streams.split(",") if x]
+    ]
+    gemma_runs = [
+        ("Gemma 3 270M, n-gram, mixed prompts", n, gemma("none", n, args), gemma("ngram-simple", n, args))
+        for n in [int(x) for x in args.gemma.split(",") if x]
+    ]
     rows = []
-    for name, target, spec, draft in SCENARIOS:
-        if only is not None and name not in only:
-            continue
-        for n in [int(x) for x in args.streams.split(",")]:
-            reps = await measure(
-                config(paths, target, "none", draft, n, args),
-                config(paths, target, spec, draft, n, args),
-                n,
-                args,
-            )
-            row = summary(name, n, reps)
-            rows.append(row)
-            print(
-                f"{name:<26} N={n:<3} native on ÷ off {row['native_on_off']:.3f} "
-                f"host µs off {row['host_us_off']:.0f} on {row['host_us_on']:.0f}  "
-                f"step on ÷ off {row['ratio']:.3f} [{row['ratio_min']:.3f}, {row['ratio_max']:.3f}]  "
-                f"drafted {row['drafted']}",
-                flush=True,
-            )
+    for name, n, cfg_off, cfg_on in runs + gemma_runs:
+        prompts = None if cfg_on.model == default_model_path() else tiny_prompts  # (None: engine.bench's)
+        row = summary(name, n, await measure(cfg_off, cfg_on, n, args, prompts))
+        rows.append(row)
+        print(
+            f"{name:<26} N={n:<3} native on ÷ off {row['native_on_off']:.3f} "
+            f"host µs off {row['host_us_off']:.0f} on {row['host_us_on']:.0f}  "
+            f"step on ÷ off {row['ratio']:.3f} [{row['ratio_min']:.3f}, {row['ratio_max']:.3f}]  "
+            f"drafted {row['drafted']}",
+            flush=True,
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     if args.markdown:
@@ -180,12 +192,16 @@ if __name__ == "__main__":
     ap.add_argument("--n-draft", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--only", help="scenario names separated by ; (default: all)")
+    ap.add_argument("--gemma", default="", help="also Gemma 3 270M with n-gram drafting at these N (e.g. 64)")
     ap.add_argument("--json", help="default: benchmarks/results/idle_cost.json (a full run)")
     ap.add_argument("--markdown", help="default: benchmarks/results/idle_cost.md (a full run)")
     args = ap.parse_args()
     info = machine_info()
     args.machine = f"{info['cpu']}, {info['cores']} cores, {time.strftime('%Y-%m-%d', time.gmtime())}"
-    if not args.only and args.streams == ap.get_default("streams"):
+    if not args.only and args.streams == ap.get_default("streams"):  # (the tiny models' table)
         args.json = args.json or str(RESULTS / "idle_cost.json")
         args.markdown = args.markdown or str(RESULTS / "idle_cost.md")
+    elif not args.streams and args.gemma:  # (Gemma's)
+        args.json = args.json or str(RESULTS / "idle_cost_gemma.json")
+        args.markdown = args.markdown or str(RESULTS / "idle_cost_gemma.md")
     sys.exit(anyio.run(main, args))

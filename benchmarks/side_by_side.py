@@ -76,6 +76,8 @@ PARTS = [
     for name in (
         "prompt_sets.md",  # (benchmarks/prompt_sets.py)
         "draft_pair.md",  # (benchmarks/draft_pair.py)
+        "idle_cost.md",  # (benchmarks/idle_cost.py)
+        "idle_cost_gemma.md",  # (benchmarks/idle_cost.py --streams '' --gemma 64)
         "speculation_notes.md",  # (written by hand)
         "prefix_reuse.md",
         "http.md",
