@@ -81,7 +81,9 @@ def test_bench_on_a_tiny_model(model_paths: dict[str, Path], tmp_path: Path) -> 
         assert r["tokens"] == r["requests"] * 24 - ramp_shortfall(r["n_streams"], 24)
         assert r["raw_decode_tokens_per_s"] > 0
         assert 0 < r["ttft_p50"] <= r["ttft_p99"] and 0 < r["e2e_p50"] <= r["e2e_p99"]
-    assert rows[-1]["acceptance_rate"] > 0  # the cycle repeats: n-gram drafts are accepted
+    # the cycle repeats: n-gram drafts are accepted where a draft row is cheapest, at one stream
+    # (at two, a machine under load can price this short run's drafts out: nothing drafted)
+    assert rows[1]["acceptance_rate"] > 0
     png = (tmp_path / "bench.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
 
