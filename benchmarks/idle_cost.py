@@ -33,8 +33,10 @@ import anyio
 
 from engine import Engine, EngineConfig
 from engine.bench import default_requests, load_engine, warm_up
+from engine.models import resolve_model
 from engine.scheduler.params import default_model_path, engine_speculative
 from engine.session import Runtime
+from engine.workloads import CODE_PROMPTS, PROMPTS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from drafters import ROOT, SCENARIOS, config  # noqa: E402
@@ -45,10 +47,28 @@ from tests.models.make_models import build_all  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results"
 
 
-def gemma(spec: str, n: int, args: argparse.Namespace) -> EngineConfig:
-    """Gemma 3 270M (the default model) with the engine's n-gram defaults."""
+#: real models (``--real NAME:N,N``): (row name, target, draft model, speculative type, prompts)
+REAL = {
+    "gemma": ("Gemma 3 270M, n-gram, mixed prompts", "gemma", None, "ngram-simple", PROMPTS),
+    "coder": (
+        "Qwen2.5-Coder 1.5B, 0.5B draft model, code prompts",
+        "coder",
+        "coder-draft",
+        "draft",
+        CODE_PROMPTS,
+    ),
+}
+
+
+def real(name: str, speculative: bool, n: int, args: argparse.Namespace) -> EngineConfig:
+    """A :data:`REAL` pair with the engine's defaults, speculation on or off."""
+    _, target, draft, spec, _ = REAL[name]
     return EngineConfig(
-        model=default_model_path(), speculative=engine_speculative(spec, n), n_seq=n, threads=args.threads
+        model=default_model_path() if target == "gemma" else resolve_model(target),
+        draft_model=resolve_model(draft) if draft and speculative else None,
+        speculative=engine_speculative(spec if speculative else "none", n),
+        n_seq=n,
+        threads=args.threads,
     )
 
 
@@ -123,12 +143,12 @@ def summary(name: str, n: int, reps: list[dict[str, float]]) -> dict[str, object
 
 
 def markdown(rows: list[dict[str, object]], args: argparse.Namespace) -> str:
-    tiny = any(not str(r["scenario"]).startswith("Gemma") for r in rows)
+    heading = "## What speculation on costs a step that drafts nothing"
     lines = [
-        "## What speculation on costs a step that drafts nothing" + ("" if tiny else ": Gemma 3 270M"),
+        heading if args.streams else f"{heading}: {', '.join(REAL[r.split(':')[0]][0] for r in args.real)}",
         "",
         f"`python benchmarks/idle_cost.py {shlex.join(sys.argv[1:])}` ({args.machine}): the tiny models "
-        "of the drafter table (and Gemma 3 270M where a row says so), speculation off and on as two engines on one native thread, serving "
+        "of the drafter table (or the real models a row names), speculation off and on as two engines on one native thread, serving "
         f"the same closed-loop load ({args.max_tokens} greedy tokens a request, "
         f"{args.requests or '4N (at least 8)'} requests a repeat, {args.threads} threads), their "
         "steps taking turns; medians of the repeats [min, max]. `native` is the native step's time "
@@ -158,13 +178,13 @@ async def main(args: argparse.Namespace) -> int:
         if only is None or name in only
         for n in [int(x) for x in args.streams.split(",") if x]
     ]
-    gemma_runs = [
-        ("Gemma 3 270M, n-gram, mixed prompts", n, gemma("none", n, args), gemma("ngram-simple", n, args))
-        for n in [int(x) for x in args.gemma.split(",") if x]
+    real_runs = [
+        (REAL[key][0], int(n), real(key, False, int(n), args), real(key, True, int(n), args), REAL[key][4])
+        for key, ns in (r.split(":") for r in args.real)
+        for n in ns.split(",")
     ]
     rows = []
-    for name, n, cfg_off, cfg_on in runs + gemma_runs:
-        prompts = None if cfg_on.model == default_model_path() else tiny_prompts  # (None: engine.bench's)
+    for name, n, cfg_off, cfg_on, prompts in [(*r, tiny_prompts) for r in runs] + real_runs:
         row = summary(name, n, await measure(cfg_off, cfg_on, n, args, prompts))
         rows.append(row)
         print(
@@ -192,7 +212,12 @@ if __name__ == "__main__":
     ap.add_argument("--n-draft", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--only", help="scenario names separated by ; (default: all)")
-    ap.add_argument("--gemma", default="", help="also Gemma 3 270M with n-gram drafting at these N (e.g. 64)")
+    ap.add_argument(
+        "--real",
+        action="append",
+        default=[],
+        help=f"also a real model at these N, as NAME:N,N (NAME one of {', '.join(REAL)}; e.g. gemma:64)",
+    )
     ap.add_argument("--json", help="default: benchmarks/results/idle_cost.json (a full run)")
     ap.add_argument("--markdown", help="default: benchmarks/results/idle_cost.md (a full run)")
     args = ap.parse_args()
@@ -201,7 +226,8 @@ if __name__ == "__main__":
     if not args.only and args.streams == ap.get_default("streams"):  # (the tiny models' table)
         args.json = args.json or str(RESULTS / "idle_cost.json")
         args.markdown = args.markdown or str(RESULTS / "idle_cost.md")
-    elif not args.streams and args.gemma:  # (Gemma's)
-        args.json = args.json or str(RESULTS / "idle_cost_gemma.json")
-        args.markdown = args.markdown or str(RESULTS / "idle_cost_gemma.md")
+    elif not args.streams and len(args.real) == 1:  # (one real model's)
+        name = args.real[0].split(":")[0]
+        args.json = args.json or str(RESULTS / f"idle_cost_{name}.json")
+        args.markdown = args.markdown or str(RESULTS / f"idle_cost_{name}.md")
     sys.exit(anyio.run(main, args))

@@ -77,7 +77,8 @@ PARTS = [
         "prompt_sets.md",  # (benchmarks/prompt_sets.py)
         "draft_pair.md",  # (benchmarks/draft_pair.py)
         "idle_cost.md",  # (benchmarks/idle_cost.py)
-        "idle_cost_gemma.md",  # (benchmarks/idle_cost.py --streams '' --gemma 64)
+        "idle_cost_gemma.md",  # (benchmarks/idle_cost.py --streams '' --real gemma:64)
+        "idle_cost_coder.md",  # (benchmarks/idle_cost.py --streams '' --real coder:1,4)
         "speculation_notes.md",  # (written by hand)
         "prefix_reuse.md",
         "http.md",
