@@ -220,7 +220,9 @@ if __name__ == "__main__":
     )
     ap.add_argument("--json", help="default: benchmarks/results/idle_cost.json (a full run)")
     ap.add_argument("--markdown", help="default: benchmarks/results/idle_cost.md (a full run)")
+    ap.add_argument("--gemma", help="N,N: the same as --real gemma:N,N")
     args = ap.parse_args()
+    args.real += [f"gemma:{args.gemma}"] if args.gemma else []
     info = machine_info()
     args.machine = f"{info['cpu']}, {info['cores']} cores, {time.strftime('%Y-%m-%d', time.gmtime())}"
     if not args.only and args.streams == ap.get_default("streams"):  # (the tiny models' table)
