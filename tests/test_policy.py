@@ -32,6 +32,18 @@ def tiled_cost(max_rows: int = 64) -> StepCost:
     return cost
 
 
+def decoding_request(stats: DraftStats) -> SimpleNamespace:
+    """A decoding request as ``DraftPolicy.choose`` reads it: 20 tokens in, 100 to go."""
+    return SimpleNamespace(
+        draft_stats=stats,
+        drafter_in_sync=True,
+        n_past=20,
+        params=SimpleNamespace(max_tokens=100),
+        output_ids=[],
+        drafter_upto=20,
+    )
+
+
 def by_seq(outputs: list[SimpleNamespace]) -> dict[int, SimpleNamespace]:
     """A step's outputs by sequence, as the scheduler hands them to the policy."""
     return {out.seq: out for out in outputs}
@@ -693,17 +705,7 @@ def test_a_step_whose_choice_of_none_stands_builds_nothing() -> None:
     is closed) answers without looking at the requests: the same answer the full choice gives."""
     policy = DraftPolicy(cost=linear_cost(0.010, 0.004), tuning=Tuning(recheck_every=4, max_recheck_every=4))
     stats = history(0.3)
-    requests = [
-        SimpleNamespace(
-            draft_stats=stats,
-            drafter_in_sync=True,
-            n_past=20,
-            params=SimpleNamespace(max_tokens=100),
-            output_ids=[],
-            drafter_upto=20,
-        )
-        for _ in range(16)
-    ]
+    requests = [decoding_request(stats) for _ in range(16)]
     first = policy.choose(requests, 256, 6, 512, step=1)
     assert first.lengths == [0] * 16 and first.caps == [6] * 16  # searched
     unreadable = [SimpleNamespace() for _ in range(16)]  # (any attribute read fails)
@@ -723,17 +725,7 @@ def test_asking_every_match_on_a_standing_price_chooses_as_the_full_choice_does(
     for policy in (short, full):
         for i in range(100):
             policy.engine.record(8, 8 if i % 3 == 0 else 0, 7 if i % 3 == 0 else 0)  # (7 of 8 right)
-    requests = [
-        SimpleNamespace(
-            draft_stats=DraftStats(),
-            drafter_in_sync=True,
-            n_past=20,
-            params=SimpleNamespace(max_tokens=100),
-            output_ids=[],
-            drafter_upto=20,
-        )
-        for _ in range(4)
-    ]
+    requests = [decoding_request(DraftStats()) for _ in range(4)]
     for step in range(1, 80):  # (a price stands 64 steps of 4 sequences here: priced at 1 and 65)
         drafts = short.choose(requests, 256, 8, 512, step=step)
         assert drafts.lengths == full.lengths([Drafting(r.draft_stats, 8) for r in requests]) == [8] * 4
