@@ -374,8 +374,7 @@ class DraftPolicy:
         # (priced at the longest draft allowed so far, not at this step's: a request's cap
         # shrinks by one each step near its end, and a price per cap would price most steps)
         if self.every_match and not self.uniform and self._every_match_pays(n, self.k_cap):
-            price = self._matching[n, self.k_cap]
-            self._idle, self._taken = None, (self._realized, price.gain, price.seconds)
+            self._ask_every_match(self._matching[n, self.k_cap])
             return [s.max_k for s in seqs]
         if self._idle_stands(n):
             ks = [0] * n
@@ -422,8 +421,12 @@ class DraftPolicy:
             return False
         self._forget_choice()
         self.asked, self.k_cap = self.asked + n, k_cap
-        self._idle, self._taken = None, (self._realized, known.gain, known.seconds)
+        self._ask_every_match(known)
         return True
+
+    def _ask_every_match(self, price: _Price) -> None:
+        """This step's choice is every sequence asking for its longest draft, on ``price``."""
+        self._idle, self._taken = None, (self._realized, price.gain, price.seconds)
 
     def _none_stands(self, n: int) -> bool:
         """Whether this step's choice is no drafts, known without weighing a draft: the
