@@ -77,8 +77,7 @@ async def measure(
 ) -> list[dict[str, float]]:
     """Per repeat: each side's native ms and host µs per step, and what the on-side drafted."""
     n_req = args.requests or 4 * default_requests(n)
-    runtime = Runtime()
-    try:
+    with Runtime() as runtime:
         off, on = Engine(cfg_off, runtime=runtime), Engine(cfg_on, runtime=runtime)
         async with off, on:
             for e in (off, on):
@@ -103,8 +102,6 @@ async def measure(
                 )
                 reps.append(row)
             return reps
-    finally:
-        runtime.close()
 
 
 async def _load(
