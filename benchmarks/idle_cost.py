@@ -31,14 +31,14 @@ from pathlib import Path
 
 import anyio
 
-from engine import Engine, EngineConfig
-from engine.bench import default_requests, load_engine, warm_up
+from engine import EngineConfig
+from engine.bench import default_requests
 from engine.models import resolve_model
 from engine.scheduler.params import default_model_path, engine_speculative
-from engine.session import Runtime
 from engine.workloads import CODE_PROMPTS, PROMPTS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import paired  # noqa: E402
 from drafters import ROOT, SCENARIOS, config  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
@@ -75,47 +75,15 @@ def real(name: str, speculative: bool, n: int, args: argparse.Namespace) -> Engi
 async def measure(
     cfg_off: EngineConfig, cfg_on: EngineConfig, n: int, args: argparse.Namespace, prompts: list | None
 ) -> list[dict[str, float]]:
-    """Per repeat: each side's native ms and host µs per step, and what the on-side drafted."""
+    """Per repeat: each side's native ms and host µs per step (:func:`paired.measure`), what the
+    on-side drafted, and ``ratio``, the step on ÷ off."""
     n_req = args.requests or 4 * default_requests(n)
-    with Runtime() as runtime:
-        off, on = Engine(cfg_off, runtime=runtime), Engine(cfg_on, runtime=runtime)
-        async with off, on:
-            for e in (off, on):
-                await warm_up(e, prompts)
-            reps = []
-            for rep in range(args.repeats):
-                before = [
-                    (e.metrics.steps, e.metrics.step_seconds, e.metrics.host_seconds) for e in (off, on)
-                ]
-                drafted: dict[str, int] = {}
-                async with anyio.create_task_group() as tg:
-                    for side, e in (("off", off), ("on", on)):
-                        tg.start_soon(_load, e, n, n_req, args, prompts, rep * n_req, drafted, side)
-                row: dict[str, float] = {"drafted": drafted["on"]}
-                for side, e, (steps, native, host) in zip(("off", "on"), (off, on), before, strict=True):
-                    k = e.metrics.steps - steps
-                    row[f"steps_{side}"] = k
-                    row[f"native_ms_{side}"] = (e.metrics.step_seconds - native) / k * 1e3
-                    row[f"host_us_{side}"] = (e.metrics.host_seconds - host) / k * 1e6
-                row["ratio"] = (row["native_ms_off"] + row["host_us_off"] / 1e3) / (
-                    row["native_ms_on"] + row["host_us_on"] / 1e3
-                )
-                reps.append(row)
-            return reps
-
-
-async def _load(
-    engine: Engine,
-    n: int,
-    n_req: int,
-    args: argparse.Namespace,
-    prompts: list | None,
-    first: int,
-    drafted: dict[str, int],
-    side: str,
-) -> None:
-    r = await load_engine(engine, n, n_req, args.max_tokens, prompts, first=first)
-    drafted[side] = r.drafted
+    reps = await paired.measure(cfg_off, cfg_on, n, n_req, args.max_tokens, args.repeats, prompts)
+    for r in reps:
+        r["ratio"] = (r["native_ms_off"] + r["host_us_off"] / 1e3) / (
+            r["native_ms_on"] + r["host_us_on"] / 1e3
+        )
+    return reps
 
 
 def summary(name: str, n: int, reps: list[dict[str, float]]) -> dict[str, object]:
@@ -147,7 +115,7 @@ def markdown(rows: list[dict[str, object]], args: argparse.Namespace) -> str:
         f"`python benchmarks/idle_cost.py {shlex.join(sys.argv[1:])}` ({args.machine}): the tiny models "
         "of the drafter table (or the real models a row names), speculation off and on as two engines on one native thread, serving "
         f"the same closed-loop load ({args.max_tokens} greedy tokens a request, "
-        f"{args.requests or '4N (at least 8)'} requests a repeat, {args.threads} threads), their "
+        f"{args.requests or '16N (at least 32)'} requests a repeat, {args.threads} threads), their "
         "steps taking turns; medians of the repeats [min, max]. `native` is the native step's time "
         "per step, on ÷ off; `host` the event loop's microseconds a step planning it and applying "
         "its result; `step on ÷ off` is (native + host, off) ÷ (native + host, on), the rest of "
@@ -204,7 +172,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--streams", default="1,4,16")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--requests", type=int, help="requests per repeat (default 4N, at least 8)")
+    ap.add_argument("--requests", type=int, help="requests per repeat (default 16N, at least 32)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--n-draft", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)

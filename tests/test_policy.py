@@ -6,7 +6,16 @@ from __future__ import annotations
 import itertools
 from types import SimpleNamespace
 
-from engine.scheduler.drafting import DrafterSync, Drafting, DraftPolicy, DraftStats, StepCost, Tuning
+from engine.scheduler.drafting import (
+    DrafterGate,
+    DrafterSync,
+    Drafting,
+    DraftPolicy,
+    DraftStats,
+    StepCost,
+    Tuning,
+    gate,
+)
 from engine.scheduler.drafting.policy import _Price
 
 
@@ -642,7 +651,7 @@ def test_the_gate_stops_feeding_a_drafter_whose_pass_does_not_pay() -> None:
         policy.cost.observe_draft(4, 1, 4 * 0.004)  # and each draft position 4 ms
     stats = history(0.9)
     fed = run_gate(policy, range(0, 40), stats)
-    patience = policy.tuning.gate_patience
+    patience = gate.PATIENCE
     assert fed == [True] * (patience - 1) + [False] * (40 - patience + 1)
     assert not policy.gate.open and policy.lengths([Drafting(stats, 4)]) == [0]
     # past the backoff, still hopeless even if every draft were right: not tried again
@@ -652,7 +661,27 @@ def test_the_gate_stops_feeding_a_drafter_whose_pass_does_not_pay() -> None:
     policy.cost.observe_draft(4, 1, 4 * 0.0002)
     retry = policy.gate.retry_at
     assert run_gate(policy, range(retry, retry + 20), stats) == [True] * 20
-    assert policy.gate.open and policy.gate.backoff == policy.tuning.gate_backoff
+    assert policy.gate.open and policy.gate.backoff == gate.BACKOFF
+
+
+def test_a_gate_that_closes_again_soon_waits_twice_as_long_and_forgives_once_drafts_pay() -> None:
+    g = DrafterGate()
+    losses = [g.weigh(step, paid=False) for step in range(gate.PATIENCE)]
+    assert losses == [True] * (gate.PATIENCE - 1) + [False]
+    closed_at = gate.PATIENCE - 1
+    assert g.shut(closed_at + gate.BACKOFF - 1) and not g.shut(closed_at + gate.BACKOFF)
+    step = closed_at + gate.BACKOFF
+    assert (
+        not g.retry(step, could_pay=False) and g.retry_at == step + 2 * gate.BACKOFF
+    )  # hopeless: waits again
+    step = g.retry_at
+    assert g.retry(step, could_pay=True) and g.open and not g.shut(step)
+    for i in range(gate.PATIENCE):  # closes again soon: the next wait is twice as long
+        g.weigh(step + i, paid=False)
+    assert not g.open and g.retry_at == step + gate.PATIENCE - 1 + 2 * gate.BACKOFF
+    g.retry(g.retry_at, could_pay=True)
+    assert all(g.weigh(g.retry_at + i, paid=True) for i in range(gate.PATIENCE))
+    assert g.backoff == gate.BACKOFF  # paid long enough: a later closing waits as the first did
 
 
 def test_the_gate_skips_batches_nothing_in_sync_reads_and_is_always_open_for_others() -> None:

@@ -5,8 +5,8 @@ The scheduler calls :class:`DraftPolicy` three times a step: :meth:`~DraftPolicy
 :meth:`~DraftPolicy.feed_drafter` (whether a hidden-state drafter reads the batch) and
 :meth:`~DraftPolicy.observe` (the step's verifications and what it cost). Inside:
 
-- :mod:`.policy`: the choice (expected tokens per second of the step), probes, the gate of a
-  drafter that must read every batch;
+- :mod:`.policy`: the choice (expected tokens per second of the step), probes;
+- :mod:`.gate`: :class:`DrafterGate`, when a drafter that must read every batch is fed;
 - :mod:`.cost`: :class:`StepCost`, what a step costs on this machine;
 - :mod:`.calibration`: measuring it at start (on the native session; imported by the engine
   loop, so that the rest imports without the extension);
@@ -14,7 +14,8 @@ The scheduler calls :class:`DraftPolicy` three times a step: :meth:`~DraftPolicy
 """
 
 from .cost import StepCost
-from .policy import DrafterGate, Drafting, DraftPolicy, Drafts, Tuning
+from .gate import DrafterGate
+from .policy import Drafting, DraftPolicy, Drafts, Tuning
 from .stats import DrafterSync, DraftStats
 
 __all__ = [

@@ -52,13 +52,14 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from .cost import StepCost
+from .gate import DrafterGate
 from .stats import DrafterSync, DraftStats
 
 if TYPE_CHECKING:
     from ..planner import WorkItem
     from ..request import Request
 
-__all__ = ["DraftPolicy", "DrafterGate", "Drafts", "Tuning"]
+__all__ = ["DraftPolicy", "Drafts", "Tuning"]
 
 Num = float | np.ndarray  #: a number or an array of them (elementwise)
 
@@ -178,34 +179,6 @@ class Tuning:
     #: how many times longer the price of drafting every match stands while no n-gram has
     #: matched since it was computed (see :meth:`DraftPolicy._every_match_pays`)
     unmatched_life: int = 8
-    #: a stream drafter's gate: losing steps in a row before it closes; steps before it
-    #: opens again, doubling each time it closes again soon
-    gate_patience: int = 8
-    gate_backoff: int = 256
-    gate_max_backoff: int = 16384
-
-
-@dataclass
-class DrafterGate:
-    """Whether a stream drafter reads this step's batch (:attr:`DrafterSync.STREAM`).
-
-    Open, every step weighs the policy's choice with the drafter's pass over the batch
-    against a step without drafter; after :attr:`Tuning.gate_patience` steps in a row that
-    lose, the gate closes (every sequence in a skipped batch drafts no more) and opens again
-    ``backoff`` steps later for the requests that start then, the wait doubling each time
-    it closes again soon. A batch with no sequence in sync is never fed.
-
-    A request whose drafter missed a batch does not resume when the gate opens again: the
-    target's hidden states of the skipped tokens are gone, re-deriving them costs a prompt
-    pass over the window, and the drafter's cache cannot take a gap in a sequence's
-    positions. The gate closes only when drafting does not pay for the batch, so such
-    requests rarely had drafts worth resuming (BENCHMARKS.md, "Stream drafters")."""
-
-    open: bool = True
-    strikes: int = 0
-    paid: int = 0  #: steps in a row that paid
-    backoff: int = Tuning.gate_backoff
-    retry_at: int = 0
 
 
 @dataclass
@@ -287,8 +260,8 @@ class DraftPolicy:
         """Whether this step's batch goes to the drafter (see :meth:`sync_step`)."""
         if self.sync is not DrafterSync.STREAM:
             return True  # (the other drafters are always fed)
-        if not self.gate.open and step < self.gate.retry_at:
-            return False  # (shut: what the batch holds does not matter)
+        if self.gate.shut(step):
+            return False  # (what the batch holds does not matter)
         decoding = [w for w in work if w.decoding]
         return self.sync_step(
             step,
@@ -572,14 +545,9 @@ class DraftPolicy:
         prompt) can still draft; ``drafting_in_sync``: a decoding one can."""
         if self.sync is not DrafterSync.STREAM or not self.adaptive:
             return True
-        g = self.gate
-        if not g.open:
-            if step < g.retry_at:
-                return False
-            if not self._drafter_could_pay(max(n, 1)):  # (not even with every draft right)
-                g.retry_at = step + g.backoff
-                return False
-            g.open, g.strikes, g.paid = True, 0, 0  # (the requests that start now sync)
+        g = self.gate  # (once it opens again, the requests that start then sync)
+        if not g.open and (g.shut(step) or not g.retry(step, self._drafter_could_pay(max(n, 1)))):
+            return False
         if not any_in_sync:
             return False  # (nothing in it can draft: skipping it costs nothing)
         if n and drafting_in_sync:
@@ -588,16 +556,7 @@ class DraftPolicy:
             with_drafter = (n + gain) / (
                 cost.target(n + rows, prompt) + cost.draft(k_max, n_drafting) + cost.sync(n + rows + prompt)
             )
-            if with_drafter >= n / cost.target(n, prompt):
-                g.strikes, g.paid = 0, g.paid + 1
-                if g.paid >= self.tuning.gate_patience:
-                    g.backoff = self.tuning.gate_backoff
-            else:
-                g.strikes, g.paid = g.strikes + 1, 0
-                if g.strikes >= self.tuning.gate_patience:
-                    g.open, g.retry_at = False, step + g.backoff
-                    g.backoff = min(2 * g.backoff, self.tuning.gate_max_backoff)
-                    return False
+            return g.weigh(step, with_drafter >= n / cost.target(n, prompt))
         return True
 
     def _best(self, seqs: Sequence[Drafting], prod: np.ndarray, acc: np.ndarray) -> list[int]:
