@@ -1,0 +1,183 @@
+"""Speculation on ÷ off on every prompt set, resolved: the two sides as two engines on ONE
+native thread, their steps taking turns (BENCHMARKS.md "Speculation on ÷ off on one thread").
+
+Runs a few seconds apart move by 10 % and more on a shared 2-core machine, so the paired
+throughput ratios of ``benchmarks/prompt_sets.py`` spread over 0.1 however they are
+interleaved. Here the off and on engines share a runtime (``Engine(config, runtime=...)``)
+and serve the same closed-loop load at once: whatever the machine does falls on both alike.
+Each side generates the same tokens (end-of-generation ignored), so its throughput is
+tokens ÷ its busy seconds: the native steps' time (``EngineMetrics.step_seconds``: the
+target's decode, the drafter's work, sampling) plus the event loop's planning and applying
+them (``EngineMetrics.host_seconds``). The rest of the loop (the callers, the event loop's
+turns) is counted on neither side; it is paid per step, and the side that drafts takes fewer
+steps, so leaving it out understates what drafting gains. Ramp and tail are included.
+
+    python benchmarks/paired.py [--sets heldout,copy,...] [--streams 1,4,16] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from engine import Engine, EngineConfig
+from engine.bench import BenchResult, default_requests, load_engine, warm_up
+from engine.scheduler.params import default_model_path, engine_speculative
+from engine.session import Runtime
+from engine.workloads import load_prompts
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+SETS = ["heldout", "copy", "code", "edits", "summaries", "chat", "mixed"]
+
+
+async def measure(
+    cfg_off: EngineConfig,
+    cfg_on: EngineConfig,
+    n: int,
+    n_requests: int,
+    max_tokens: int,
+    repeats: int,
+    prompts: Sequence[str | list[int]] | None,
+) -> list[dict[str, float]]:
+    """Per repeat and side (``off``, ``on``): steps, the native ms and host µs per step,
+    busy seconds and tokens; the on-side's drafted and accepted tokens; ``ratio``, the
+    on-side's tokens per busy second ÷ the off-side's."""
+
+    async def load(results: dict[str, BenchResult], side: str, e: Engine, first: int) -> None:
+        results[side] = await load_engine(e, n, n_requests, max_tokens, prompts, first=first)
+
+    with Runtime() as runtime:
+        off, on = Engine(cfg_off, runtime=runtime), Engine(cfg_on, runtime=runtime)
+        async with off, on:
+            for e in (off, on):
+                await warm_up(e, prompts)
+            reps = []
+            for rep in range(repeats):
+                before = [
+                    (e.metrics.steps, e.metrics.step_seconds, e.metrics.host_seconds) for e in (off, on)
+                ]
+                results: dict[str, BenchResult] = {}
+                async with anyio.create_task_group() as tg:
+                    for side, e in (("off", off), ("on", on)):
+                        tg.start_soon(load, results, side, e, rep * n_requests)
+                row: dict[str, float] = {"drafted": results["on"].drafted, "accepted": results["on"].accepted}
+                for side, e, (steps, native, host) in zip(("off", "on"), (off, on), before, strict=True):
+                    k = e.metrics.steps - steps
+                    native, host = e.metrics.step_seconds - native, e.metrics.host_seconds - host
+                    row[f"steps_{side}"] = k
+                    row[f"native_ms_{side}"] = native / k * 1e3
+                    row[f"host_us_{side}"] = host / k * 1e6
+                    row[f"busy_s_{side}"] = native + host
+                    row[f"tokens_{side}"] = results[side].tokens
+                row["ratio"] = (row["tokens_on"] / row["busy_s_on"]) / (row["tokens_off"] / row["busy_s_off"])
+                reps.append(row)
+            return reps
+
+
+def spread(values: list[float]) -> tuple[float, float, float]:
+    """(median, min, max)."""
+    return statistics.median(values), min(values), max(values)
+
+
+def markdown(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    lines = [
+        "## Speculation on ÷ off on one thread",
+        "",
+        f"`python benchmarks/paired.py {shlex.join(sys.argv[1:])}` ({args.machine}; "
+        f"`{Path(args.model).name}`, {args.threads} threads, {args.max_tokens} greedy tokens a request, end-of-generation "
+        f"ignored, 4N requests (at least 8) a repeat, `--spec {args.spec}` with the engine's defaults): speculation "
+        "off and on as two engines on one native thread, serving the same closed-loop load at once, "
+        "their steps taking turns, so that the machine's drift falls on both alike. `on ÷ off` is "
+        "tokens per busy second (native steps + the event loop planning and applying them; the "
+        "rest of the loop on neither side, which understates what drafting saves), ramp and tail "
+        "included: the median of the repeats [min, max]. `drafted / accepted` are the on-side's, "
+        "in all repeats together. See the script's docstring.",
+        "",
+        "| prompts | N | on ÷ off | spread | native ms / step, off / on | steps, off / on | drafted / accepted |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        med, lo, hi = r["ratio"]
+        lines.append(
+            f"| {r['prompts']} | {r['n']} | **{med:.3f}** [{lo:.3f}, {hi:.3f}] | {hi - lo:.3f} "
+            f"| {r['native_ms_off']:.1f} / {r['native_ms_on']:.1f} | {r['steps_off']} / {r['steps_on']} "
+            f"| {r['drafted']} / {r['accepted']}{' (drafted nothing)' if not r['drafted'] else ''} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+async def main(args: argparse.Namespace) -> int:
+    rows = []
+    for name in args.sets.split(","):
+        prompts = load_prompts(name)
+        for n in (int(x) for x in args.streams.split(",")):
+            cfg = {
+                side: EngineConfig(
+                    model=args.model,
+                    speculative=engine_speculative(spec, n),
+                    n_seq=n,
+                    threads=args.threads,
+                )
+                for side, spec in (("off", "none"), ("on", args.spec))
+            }
+            n_req = args.requests or 4 * default_requests(n)
+            reps = await measure(cfg["off"], cfg["on"], n, n_req, args.max_tokens, args.repeats, prompts)
+            med = {k: statistics.median(r[k] for r in reps) for k in reps[0]}
+            row = {
+                "prompts": name,
+                "n": n,
+                "requests": n_req,
+                "ratio": spread([r["ratio"] for r in reps]),
+                "native_ms_off": med["native_ms_off"],
+                "native_ms_on": med["native_ms_on"],
+                "steps_off": int(med["steps_off"]),
+                "steps_on": int(med["steps_on"]),
+                "drafted": sum(int(r["drafted"]) for r in reps),
+                "accepted": sum(int(r["accepted"]) for r in reps),
+                "repeats": reps,
+            }
+            rows.append(row)
+            med_r, lo, hi = row["ratio"]
+            print(
+                f"{name:<10} N={n:<3} on ÷ off {med_r:.3f} [{lo:.3f}, {hi:.3f}]  "
+                f"steps {row['steps_off']} / {row['steps_on']}  drafted {row['drafted']} accepted {row['accepted']}",
+                flush=True,
+            )
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(rows, args))
+    return 0
+
+
+if __name__ == "__main__":
+    from engine.bench import machine_info
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sets", default=",".join(SETS))
+    ap.add_argument("--streams", default="1,4,16")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--requests", type=int, help="requests per repeat (default 4N, at least 8)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--spec", default="ngram-simple")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", default=str(default_model_path()))
+    ap.add_argument("--json", help="default: benchmarks/results/paired.json (with the default sets)")
+    ap.add_argument("--markdown", help="default: benchmarks/results/paired.md (with the default sets)")
+    args = ap.parse_args()
+    info = machine_info()
+    args.machine = f"{info['cpu']}, {info['cores']} cores, {time.strftime('%Y-%m-%d', time.gmtime())}"
+    if args.sets == ap.get_default("sets") and args.streams == ap.get_default("streams"):
+        args.json = args.json or str(RESULTS / "paired.json")
+        args.markdown = args.markdown or str(RESULTS / "paired.md")
+    sys.exit(anyio.run(main, args))
