@@ -13,6 +13,9 @@ turns) is counted on neither side; it is paid per step, and the side that drafts
 steps, so leaving it out understates what drafting gains. Ramp and tail are included.
 
     python benchmarks/paired.py [--sets heldout,copy,...] [--streams 1,4,16] [--repeats 5]
+
+Rows measured again replace their old ones in ``benchmarks/results/paired.json``; the table
+(``paired.md``) is written from all rows kept, after every row.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from engine.workloads import load_prompts
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 SETS = ["heldout", "copy", "code", "edits", "summaries", "chat", "mixed"]
+#: what every row runs (the table's heading says so)
+SPEC, THREADS, MAX_TOKENS = "ngram-simple", 2, 64
 
 
 async def measure(
@@ -50,8 +55,9 @@ async def measure(
     prompts: Sequence[str | list[int]] | None,
 ) -> list[dict[str, float]]:
     """Per repeat and side (``off``, ``on``): steps, the native ms and host µs per step,
-    busy seconds and tokens; the on-side's drafted and accepted tokens; ``ratio``, the
-    on-side's tokens per busy second ÷ the off-side's."""
+    busy seconds and tokens; drafted and accepted tokens (``drafted``: the on-side's; any two
+    configurations can be compared); ``ratio``, the on-side's tokens per busy second ÷ the
+    off-side's."""
 
     async def load(results: dict[str, BenchResult], side: str, e: Engine, first: int) -> None:
         results[side] = await load_engine(e, n, n_requests, max_tokens, prompts, first=first)
@@ -71,6 +77,7 @@ async def measure(
                     for side, e in (("off", off), ("on", on)):
                         tg.start_soon(load, results, side, e, rep * n_requests)
                 row: dict[str, float] = {"drafted": results["on"].drafted, "accepted": results["on"].accepted}
+                row["drafted_off"], row["accepted_off"] = results["off"].drafted, results["off"].accepted
                 for side, e, (steps, native, host) in zip(("off", "on"), (off, on), before, strict=True):
                     k = e.metrics.steps - steps
                     native, host = e.metrics.step_seconds - native, e.metrics.host_seconds - host
@@ -89,51 +96,55 @@ def spread(values: list[float]) -> tuple[float, float, float]:
     return statistics.median(values), min(values), max(values)
 
 
-def markdown(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+def markdown(rows: list[dict[str, Any]]) -> str:
     lines = [
         "## Speculation on ÷ off on one thread",
         "",
-        f"`python benchmarks/paired.py {shlex.join(sys.argv[1:])}` ({args.machine}; "
-        f"`{Path(args.model).name}`, {args.threads} threads, {args.max_tokens} greedy tokens a request, end-of-generation "
-        f"ignored, 4N requests (at least 8) a repeat, `--spec {args.spec}` with the engine's defaults): speculation "
-        "off and on as two engines on one native thread, serving the same closed-loop load at once, "
-        "their steps taking turns, so that the machine's drift falls on both alike. `on ÷ off` is "
-        "tokens per busy second (native steps + the event loop planning and applying them; the "
-        "rest of the loop on neither side, which understates what drafting saves), ramp and tail "
-        "included: the median of the repeats [min, max]. `drafted / accepted` are the on-side's, "
-        "in all repeats together. See the script's docstring.",
+        "`python benchmarks/paired.py` (each row's command and machine below; `gemma-3-270m-q4_k_m.gguf`, "
+        "2 threads, 64 greedy tokens a request, end-of-generation ignored, `--spec ngram-simple` with "
+        "the engine's defaults): speculation off and on as two engines on one native thread, serving "
+        "the same closed-loop load at once, their steps taking turns, so that the machine's drift "
+        "falls on both alike. `on ÷ off` is tokens per busy second (native steps + the event loop "
+        "planning and applying them; the rest of the loop on neither side, which understates what "
+        "drafting saves), ramp and tail included: the median of the repeats [min, max]. `drafted / "
+        "accepted` are the on-side's, in all repeats together. See the script's docstring.",
         "",
-        "| prompts | N | on ÷ off | spread | native ms / step, off / on | steps, off / on | drafted / accepted |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| prompts | N | requests a repeat | repeats | on ÷ off | spread | native ms / step, off / on | steps, off / on | drafted / accepted |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         med, lo, hi = r["ratio"]
         lines.append(
-            f"| {r['prompts']} | {r['n']} | **{med:.3f}** [{lo:.3f}, {hi:.3f}] | {hi - lo:.3f} "
-            f"| {r['native_ms_off']:.1f} / {r['native_ms_on']:.1f} | {r['steps_off']} / {r['steps_on']} "
+            f"| {r['prompts']} | {r['n']} | {r['requests']} | {len(r['repeats'])} | **{med:.3f}** [{lo:.3f}, {hi:.3f}] "
+            f"| {hi - lo:.3f} | {r['native_ms_off']:.1f} / {r['native_ms_on']:.1f} | {r['steps_off']} / {r['steps_on']} "
             f"| {r['drafted']} / {r['accepted']}{' (drafted nothing)' if not r['drafted'] else ''} |"
         )
+    lines += ["", "Runs:", ""]
+    lines += [
+        f"- {ran}: `{command}`" for ran, command in dict.fromkeys((r["ran"], r["command"]) for r in rows)
+    ]
     return "\n".join(lines) + "\n"
 
 
 async def main(args: argparse.Namespace) -> int:
-    rows = []
+    kept = json.loads(Path(args.json).read_text()) if Path(args.json).exists() else []
+    rows = {(r["prompts"], r["n"]): r for r in kept}  # (a row measured again replaces its old one)
     for name in args.sets.split(","):
         prompts = load_prompts(name)
         for n in (int(x) for x in args.streams.split(",")):
             cfg = {
                 side: EngineConfig(
-                    model=args.model,
+                    model=str(default_model_path()),
                     speculative=engine_speculative(spec, n),
                     n_seq=n,
-                    threads=args.threads,
+                    threads=THREADS,
                 )
-                for side, spec in (("off", "none"), ("on", args.spec))
+                for side, spec in (("off", "none"), ("on", SPEC))
             }
             n_req = args.requests or 4 * default_requests(n)
-            reps = await measure(cfg["off"], cfg["on"], n, n_req, args.max_tokens, args.repeats, prompts)
+            reps = await measure(cfg["off"], cfg["on"], n, n_req, MAX_TOKENS, args.repeats, prompts)
             med = {k: statistics.median(r[k] for r in reps) for k in reps[0]}
-            row = {
+            row = rows[name, n] = {
                 "prompts": name,
                 "n": n,
                 "requests": n_req,
@@ -144,19 +155,21 @@ async def main(args: argparse.Namespace) -> int:
                 "steps_on": int(med["steps_on"]),
                 "drafted": sum(int(r["drafted"]) for r in reps),
                 "accepted": sum(int(r["accepted"]) for r in reps),
+                "ran": args.ran,
+                "command": f"python benchmarks/paired.py {shlex.join(sys.argv[1:])}",
                 "repeats": reps,
             }
-            rows.append(row)
             med_r, lo, hi = row["ratio"]
             print(
                 f"{name:<10} N={n:<3} on ÷ off {med_r:.3f} [{lo:.3f}, {hi:.3f}]  "
                 f"steps {row['steps_off']} / {row['steps_on']}  drafted {row['drafted']} accepted {row['accepted']}",
                 flush=True,
             )
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
-    if args.markdown:
-        Path(args.markdown).write_text(markdown(rows, args))
+            ordered = sorted(rows.values(), key=lambda r: (SETS.index(r["prompts"]), r["n"]))
+            Path(args.json).write_text(
+                json.dumps(ordered, indent=2)
+            )  # (after every row: a long run keeps its rows)
+            Path(args.markdown).write_text(markdown(ordered))
     return 0
 
 
@@ -167,17 +180,10 @@ if __name__ == "__main__":
     ap.add_argument("--sets", default=",".join(SETS))
     ap.add_argument("--streams", default="1,4,16")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--requests", type=int, help="requests per repeat (default 4N, at least 8)")
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--spec", default="ngram-simple")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--model", default=str(default_model_path()))
-    ap.add_argument("--json", help="default: benchmarks/results/paired.json (with the default sets)")
-    ap.add_argument("--markdown", help="default: benchmarks/results/paired.md (with the default sets)")
+    ap.add_argument("--requests", type=int, help="requests per repeat (default 16N, at least 32)")
+    ap.add_argument("--json", default=str(RESULTS / "paired.json"), help="rows kept and measured (merged)")
+    ap.add_argument("--markdown", default=str(RESULTS / "paired.md"))
     args = ap.parse_args()
     info = machine_info()
-    args.machine = f"{info['cpu']}, {info['cores']} cores, {time.strftime('%Y-%m-%d', time.gmtime())}"
-    if args.sets == ap.get_default("sets") and args.streams == ap.get_default("streams"):
-        args.json = args.json or str(RESULTS / "paired.json")
-        args.markdown = args.markdown or str(RESULTS / "paired.md")
+    args.ran = f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {info['cpu']}, {info['cores']} cores"
     sys.exit(anyio.run(main, args))

@@ -75,6 +75,7 @@ PARTS = [
     ROOT / "benchmarks" / "results" / name
     for name in (
         "prompt_sets.md",  # (benchmarks/prompt_sets.py)
+        "paired.md",  # (benchmarks/paired.py)
         "draft_pair.md",  # (benchmarks/draft_pair.py)
         "idle_cost.md",  # (benchmarks/idle_cost.py)
         "idle_cost_gemma.md",  # (benchmarks/idle_cost.py --streams '' --real gemma:64)
