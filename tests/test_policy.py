@@ -729,6 +729,20 @@ def test_a_probe_that_drafted_nothing_backs_off_as_a_rejected_one() -> None:
     assert policy.probe_every == 4 * policy.tuning.probe_every
 
 
+def test_an_n_gram_probe_without_a_match_is_no_outcome() -> None:
+    """Asking an n-gram drafter costs no rows: a probe it found no match for neither backs
+    off nor resets the interval (backing off kept a stream whose first drafts were rejected
+    from drafting again where matches are rare), while a rejected match does back off."""
+    policy = DraftPolicy(cost=linear_cost(0.020, 0.004), every_match=True)
+    request = SimpleNamespace(slot=0, draft_stats=DraftStats())
+    probe = [SimpleNamespace(request=request, sample=True, n_draft=16, probe=True)]
+    for _ in range(3):
+        _step(policy, probe, drafted=0)
+        assert policy.probe_every == policy.tuning.probe_every
+    _step(policy, probe, drafted=16)  # matched, rejected
+    assert policy.probe_every == 2 * policy.tuning.probe_every
+
+
 def test_a_step_whose_choice_of_none_stands_builds_nothing() -> None:
     """``choose`` on a step where the choice of no drafts stands (or a stream drafter's gate
     is closed) answers without looking at the requests: the same answer the full choice gives."""

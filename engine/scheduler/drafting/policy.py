@@ -279,7 +279,9 @@ class DraftPolicy:
             if w.n_draft == 0 or (out := outputs.get(w.request.slot)) is None:
                 continue
             asked = True
-            if w.probe:  # (a drafter that produced nothing has nothing right to show either)
+            if w.probe and (out.produced or not self.every_match):
+                # (a drafter that produced nothing has nothing right to show either; an n-gram
+                # probe without a match is no outcome: asking again costs no rows)
                 self.observe_probe(out.drafted > 0 and out.accepted > 0)
             stats = w.request.draft_stats
             if out.drafted < out.produced:  # the step dropped a partial tile: later positions unseen
