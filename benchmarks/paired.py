@@ -24,6 +24,7 @@ import argparse
 import json
 import shlex
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -185,5 +186,9 @@ if __name__ == "__main__":
     ap.add_argument("--markdown", default=str(RESULTS / "paired.md"))
     args = ap.parse_args()
     info = machine_info()
-    args.ran = f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {info['cpu']}, {info['cores']} cores"
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    args.ran = (
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {info['cpu']}, {info['cores']} cores, "
+        f"commit {commit.stdout.strip() or '?'}"
+    )
     sys.exit(anyio.run(main, args))
