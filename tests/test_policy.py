@@ -670,10 +670,8 @@ def test_a_gate_that_closes_again_soon_waits_twice_as_long_and_forgives_once_dra
     assert losses == [True] * (gate.PATIENCE - 1) + [False]
     closed_at = gate.PATIENCE - 1
     assert g.shut(closed_at + gate.BACKOFF - 1) and not g.shut(closed_at + gate.BACKOFF)
-    step = closed_at + gate.BACKOFF
-    assert (
-        not g.retry(step, could_pay=False) and g.retry_at == step + 2 * gate.BACKOFF
-    )  # hopeless: waits again
+    step = closed_at + gate.BACKOFF  # hopeless then: it waits again, twice as long
+    assert not g.retry(step, could_pay=False) and g.retry_at == step + 2 * gate.BACKOFF
     step = g.retry_at
     assert g.retry(step, could_pay=True) and g.open and not g.shut(step)
     for i in range(gate.PATIENCE):  # closes again soon: the next wait is twice as long
