@@ -39,6 +39,9 @@ from engine.scheduler.params import default_model_path, engine_speculative
 from engine.session import Runtime
 from engine.workloads import load_prompts
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from side_by_side_report import update_readme  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 SETS = ["heldout", "copy", "code", "edits", "summaries", "chat", "mixed"]
@@ -108,7 +111,9 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         "falls on both alike. `on ÷ off` is tokens per busy second (native steps + the event loop "
         "planning and applying them; the rest of the loop on neither side, which understates what "
         "drafting saves), ramp and tail included: the median of the repeats [min, max]. `drafted / "
-        "accepted` are the on-side's, in all repeats together. See the script's docstring.",
+        "accepted` are the on-side's, in all repeats together. Rows of different runs may come "
+        "from different machines of the same name: the native ms per step tell them apart. See "
+        "the script's docstring.",
         "",
         "| prompts | N | requests a repeat | repeats | on ÷ off | spread | native ms / step, off / on | steps, off / on | drafted / accepted |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -125,6 +130,30 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         f"- {ran}: `{command}`" for ran, command in dict.fromkeys((r["ran"], r["command"]) for r in rows)
     ]
     return "\n".join(lines) + "\n"
+
+
+def readme_table(rows: list[dict[str, Any]]) -> list[str]:
+    """The README's summary: on ÷ off per prompt set and N, the median [min, max]."""
+    ns = sorted({r["n"] for r in rows})
+    by = {(r["prompts"], r["n"]): r for r in rows}
+    lines = [
+        "| prompts | " + " | ".join(f"N = {n}" for n in ns) + " |",
+        "|---|" + "---:|" * len(ns),
+    ]
+    for name in dict.fromkeys(r["prompts"] for r in rows):
+        cells = []
+        for n in ns:
+            r = by.get((name, n))
+            med, lo, hi = r["ratio"] if r else (0, 0, 0)
+            cells.append(
+                f"**{med:.2f}** [{lo:.2f}, {hi:.2f}]{' †' if not r['drafted'] else ''}" if r else "not run"
+            )
+        lines.append(
+            f"| {name}{' (held out of all tuning)' if name == 'heldout' else ''} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    return lines
 
 
 async def main(args: argparse.Namespace) -> int:
@@ -171,6 +200,8 @@ async def main(args: argparse.Namespace) -> int:
                 json.dumps(ordered, indent=2)
             )  # (after every row: a long run keeps its rows)
             Path(args.markdown).write_text(markdown(ordered))
+            if Path(args.json) == RESULTS / "paired.json":  # (the published rows)
+                update_readme(readme_table(ordered), ROOT / "README.md", "paired-table")
     return 0
 
 

@@ -142,10 +142,10 @@ def plot_speculation(sections: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def update_readme(table: list[str], path: Path) -> None:
-    """Replace the table between the README's speculation markers."""
+def update_readme(table: list[str], path: Path, marker: str = "speculation-table") -> None:
+    """Replace the table between the README's ``marker`` comments (nothing where it has none)."""
     text = path.read_text()
-    begin, end = "<!-- speculation-table:begin -->", "<!-- speculation-table:end -->"
+    begin, end = f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->"
     if begin not in text or end not in text:
         return
     head, rest = text.split(begin, 1)
