@@ -741,10 +741,42 @@ def test_an_n_gram_probe_without_a_match_is_no_outcome() -> None:
     assert policy.probe_every == 2 * policy.tuning.probe_every
 
 
+def test_a_probe_stays_due_until_it_has_an_outcome() -> None:
+    """One stream on a machine where a one-token draft cannot pay, its n-gram drafts priced
+    not to pay. A probe that lands on a request's last tokens (too short a draft to pay) or
+    finds no match is no outcome: the next step probes. (Probes every 32 steps, each on the
+    second-to-last token of a 64-token request, each counted as rejected, backed off to 1,024
+    steps: a copying stream whose first draft was rejected drafted nothing for good.)"""
+    rows_ms = {1: 9.4, 2: 21.0, 4: 30.0, 5: 47.0, 8: 36.0, 16: 47.0, 32: 94.0, 64: 170.0}
+    cost = StepCost()
+    cost.calibrate(lambda rows, prompt: (rows_ms[rows] + 0.9 * prompt) / 1000, 64)
+    policy = DraftPolicy(cost=cost, every_match=True)
+    stats = DraftStats()
+    for _ in range(20):
+        policy.observe_verification(stats, 16, 16, 0)
+    request = decoding_request(stats)
+    assert policy.choose([request], 64, 16, 512, step=0).lengths == [16]  # (a full-length probe)
+    policy.observe_probe(False)
+    request.output_ids = [0] * 98  # its last draftable token: a right draft of one cannot pay
+    due = policy.next_probe
+    assert policy.choose([request], 64, 16, 512, step=due) == ([0], [1], None)
+    assert policy.probe_every == 2 * policy.tuning.probe_every  # (not backed off again)
+    request.output_ids = []  # the next request
+    probe = policy.choose([request], 64, 16, 512, step=due + 1)
+    assert probe == ([16], [16], 0)
+    work = [SimpleNamespace(request=SimpleNamespace(slot=0, draft_stats=stats), n_draft=16, probe=True)]
+    _step(policy, work, drafted=0)  # no match
+    assert policy.choose([request], 64, 16, 512, step=due + 2) == probe  # asked again
+    _step(policy, work, drafted=16)  # matched, rejected
+    assert policy.next_probe == due + 2 + 4 * policy.tuning.probe_every
+    assert policy.choose([request], 64, 16, 512, step=due + 3).lengths == [0]
+
+
 def test_a_step_whose_choice_of_none_stands_builds_nothing() -> None:
     """``choose`` on a step where the choice of no drafts stands (or a stream drafter's gate
     is closed) answers without looking at the requests: the same answer the full choice gives."""
     policy = DraftPolicy(cost=linear_cost(0.010, 0.004), tuning=Tuning(recheck_every=4, max_recheck_every=4))
+    policy.next_probe = 100  # (no probe due in these steps)
     stats = history(0.3)
     requests = [decoding_request(stats) for _ in range(16)]
     first = policy.choose(requests, 256, 6, 512, step=1)

@@ -194,6 +194,13 @@ class DraftPolicy:
     #: draft while the engine's accepted-per-row pays (see :meth:`_every_match_pays`)
     every_match: bool = False
     probe_every: int = Tuning.probe_every  #: steps between probes now
+    #: the step from which a probe is due; one stays due until a probe has an outcome, so
+    #: that probes do not fall in step with requests of one length (a probe on a request's
+    #: last token cannot pay, and one every 32 steps would land there on every request)
+    next_probe: int = 0
+    step: int = 0  #: the step being chosen
+    _probe_turn: int = 0  #: the sequence probed next, by index
+    _probe_ks: dict[tuple[int, int], int] = field(default_factory=dict)  #: of a pending probe
     sync: DrafterSync = DrafterSync.NONE
     gate: DrafterGate = field(default_factory=DrafterGate)
     #: the last choice of :meth:`lengths`: (expected accepted, expected draft rows, longest
@@ -221,7 +228,10 @@ class DraftPolicy:
         """Draft lengths for the decoding requests of step ``step``, ``room`` draft rows
         fitting in its batch beside the prompts (shortest drafts kept first)."""
         n = len(decoding)
-        probe = step // self.probe_every % n if n and step % self.probe_every == 0 else -1
+        self.step, probe = step, -1
+        shut = self.sync is DrafterSync.STREAM and not self.gate.open  # (nothing drafts: no probe)
+        if n and step >= self.next_probe and not shut:
+            probe, self._probe_turn = self._probe_turn % n, self._probe_turn + 1
         if probe < 0 and self._none_stands(n):  # (most steps of an idle drafter: nothing to weigh)
             self._forget_choice()
             self.asked += n
@@ -363,11 +373,15 @@ class DraftPolicy:
             return ks
         for i, (k, s) in enumerate(zip(ks, seqs, strict=True)):
             if s.probe and s.max_k > 0 and k == 0:
-                k = self._probe_length(n, s)
+                cached = self._probe_ks.get((n, s.max_k)) if self.every_match else None
+                k = self._probe_length(n, s) if cached is None else cached
                 if k:
                     ks[i], self.probed = k, i
-                else:  # (one that could not pay waits as a rejected one does)
+                    if self.every_match:  # (it may find no match: it is asked again next step)
+                        self._probe_ks[n, s.max_k] = k
+                elif s.max_k >= self.k_cap:  # (one that could not pay waits as a rejected one does)
                     self.observe_probe(False)
+                # (else its request ends within a draft's length: the probe stays due)
         return ks
 
     def _forget_choice(self) -> None:
@@ -449,6 +463,7 @@ class DraftPolicy:
         """A probe's outcome: a rejected one waits twice as long for the next."""
         t = self.tuning
         self.probe_every = t.probe_every if accepted else min(2 * self.probe_every, t.max_probe_every)
+        self.next_probe, self._probe_ks = self.step + self.probe_every, {}
 
     def _every_match_pays(self, n: int, k: int) -> bool:
         """Whether ``n`` sequences that all ask an n-gram drafter for up to ``k`` tokens make
