@@ -152,6 +152,14 @@ class Drafting:
     lag: int = 0  #: tokens a catching-up draft model decodes before it drafts for it
 
 
+def _cap(r: Request, n_draft_max: int, n_ctx: int) -> int:
+    """The most drafts request ``r`` may verify this step: the context keeps room for them
+    and the token sampled after them, and none go past its ``max_tokens``."""
+    if not r.drafter_in_sync:
+        return 0
+    return max(0, min(n_draft_max, n_ctx - r.n_past - 2, r.params.max_tokens - len(r.output_ids) - 1))
+
+
 class Drafts(NamedTuple):
     """A step's drafts (:meth:`DraftPolicy.choose`), by decoding request in order."""
 
@@ -236,13 +244,16 @@ class DraftPolicy:
             self._forget_choice()
             self.asked += n
             return Drafts([0] * n, [0] * n, None)
-        caps = [
-            # (the context keeps room for the drafts and the token sampled after them)
-            max(0, min(n_draft_max, n_ctx - r.n_past - 2, r.params.max_tokens - len(r.output_ids) - 1))
-            if r.drafter_in_sync
-            else 0
-            for r in decoding
-        ]
+        if probe >= 0 and self._probe_ks:  # (an n-gram probe asked again: only it is looked at)
+            cap = _cap(decoding[probe], n_draft_max, n_ctx)
+            k = self._probe_ks.get((n, cap))
+            if k is not None and self._none_stands(n):
+                self._forget_choice()
+                self.asked, self.probed = self.asked + n, probe
+                ks, caps = [0] * n, [0] * n
+                ks[probe], caps[probe] = min(k, room), cap
+                return Drafts(ks, caps, probe)
+        caps = [_cap(r, n_draft_max, n_ctx) for r in decoding]
         if self._every_match_stands(n, caps):  # (an n-gram drafter's steps while that pays)
             ks = list(caps)
         else:
