@@ -45,6 +45,7 @@ length for every decoding sequence (and the step trims every draft to the shorte
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -70,6 +71,12 @@ _FIRST, _FIRST_WEIGHT = (1.0, 0.6), 2.0
 #: how much each step (or pricing) weighs against the last in :class:`_Realized`, and how many
 #: steps predicted right its prior is worth
 _REALIZED_DECAY, _REALIZED_PRIOR = 0.95, 2.0
+
+
+#: an n-gram probe that found no match is asked again within this many steps, at random (a
+#: few: matches come in runs of several tokens; asking costs no rows but a lookup and the
+#: pricing of one sequence; at random: not in step with requests of one length)
+_RETRY = 8
 
 
 def _prefixes(x: np.ndarray) -> np.ndarray:
@@ -209,6 +216,7 @@ class DraftPolicy:
     step: int = 0  #: the step being chosen
     _probe_turn: int = 0  #: the sequence probed next, by index
     _probe_ks: dict[tuple[int, int], int] = field(default_factory=dict)  #: of a pending probe
+    _jitter: random.Random = field(default_factory=lambda: random.Random(0))  #: (see _RETRY)
     sync: DrafterSync = DrafterSync.NONE
     gate: DrafterGate = field(default_factory=DrafterGate)
     #: the last choice of :meth:`lengths`: (expected accepted, expected draft rows, longest
@@ -301,9 +309,10 @@ class DraftPolicy:
                 continue
             asked = True
             if w.probe and (out.produced or not self.every_match):
-                # (a drafter that produced nothing has nothing right to show either; an n-gram
-                # probe without a match is no outcome: asking again costs no rows)
+                # (a drafter that produced nothing has nothing right to show either)
                 self.observe_probe(out.drafted > 0 and out.accepted > 0)
+            elif w.probe:  # an n-gram probe without a match is no outcome: asked again soon
+                self.next_probe = self.step + 1 + self._jitter.randrange(_RETRY)
             stats = w.request.draft_stats
             if out.drafted < out.produced:  # the step dropped a partial tile: later positions unseen
                 self.observe_verification(stats, out.drafted, out.drafted, out.accepted)
