@@ -184,7 +184,7 @@ class Tuning:
     margin: float = 0.05
     prior_weight: float = 3.0  #: how many verifications the engine-wide prior is worth
     #: steps between probes; doubles (up to ``max_probe_every``) with each probe rejected,
-    #: not drafted or not worth making
+    #: not drafted (but by an n-gram drafter) or not worth making at its longest
     probe_every: int = 32
     max_probe_every: int = 1024
     #: steps a choice of no drafts stands while nothing it rests on changed (see
@@ -397,7 +397,7 @@ class DraftPolicy:
                 k = self._probe_length(n, s) if cached is None else cached
                 if k:
                     ks[i], self.probed = k, i
-                    if self.every_match:  # (it may find no match: it is asked again next step)
+                    if self.every_match:  # (it may find no match: then it is asked again soon)
                         self._probe_ks[n, s.max_k] = k
                 elif s.max_k >= self.k_cap:  # (one that could not pay waits as a rejected one does)
                     self.observe_probe(False)
