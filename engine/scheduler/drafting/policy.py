@@ -73,12 +73,6 @@ _FIRST, _FIRST_WEIGHT = (1.0, 0.6), 2.0
 _REALIZED_DECAY, _REALIZED_PRIOR = 0.95, 2.0
 
 
-#: an n-gram probe that found no match is asked again within this many steps, at random (a
-#: few: matches come in runs of several tokens; asking costs no rows but a lookup and the
-#: pricing of one sequence; at random: not in step with requests of one length)
-_RETRY = 8
-
-
 def _prefixes(x: np.ndarray) -> np.ndarray:
     """Running sums of ``x``, after the empty one (0: no drafts)."""
     return np.concatenate(([0.0], np.cumsum(x)))
@@ -216,7 +210,10 @@ class DraftPolicy:
     step: int = 0  #: the step being chosen
     _probe_turn: int = 0  #: the sequence probed next, by index
     _probe_ks: dict[tuple[int, int], int] = field(default_factory=dict)  #: of a pending probe
-    _jitter: random.Random = field(default_factory=lambda: random.Random(0))  #: (see _RETRY)
+    #: an n-gram probe that found no match is asked again at a random step of the probe
+    #: interval: not in step with requests of one length, and no more often than probes are
+    #: made (each one that matches costs its rows)
+    _jitter: random.Random = field(default_factory=lambda: random.Random(0))
     sync: DrafterSync = DrafterSync.NONE
     gate: DrafterGate = field(default_factory=DrafterGate)
     #: the last choice of :meth:`lengths`: (expected accepted, expected draft rows, longest
@@ -312,7 +309,7 @@ class DraftPolicy:
                 # (a drafter that produced nothing has nothing right to show either)
                 self.observe_probe(out.drafted > 0 and out.accepted > 0)
             elif w.probe:  # an n-gram probe without a match is no outcome: asked again soon
-                self.next_probe = self.step + 1 + self._jitter.randrange(_RETRY)
+                self.next_probe = self.step + 1 + self._jitter.randrange(self.probe_every)
             stats = w.request.draft_stats
             if out.drafted < out.produced:  # the step dropped a partial tile: later positions unseen
                 self.observe_verification(stats, out.drafted, out.drafted, out.accepted)
