@@ -210,9 +210,9 @@ class DraftPolicy:
     step: int = 0  #: the step being chosen
     _probe_turn: int = 0  #: the sequence probed next, by index
     _probe_ks: dict[tuple[int, int], int] = field(default_factory=dict)  #: of a pending probe
-    #: an n-gram probe that found no match is asked again at a random step of the probe
-    #: interval: not in step with requests of one length, and no more often than probes are
-    #: made (each one that matches costs its rows)
+    #: an n-gram probe that found no match is asked again after the probe interval on
+    #: average, at random: not in step with requests of one length, and no more often (each
+    #: probe that matches costs its rows, which at many streams its drafts do not repay)
     _jitter: random.Random = field(default_factory=lambda: random.Random(0))
     sync: DrafterSync = DrafterSync.NONE
     gate: DrafterGate = field(default_factory=DrafterGate)
@@ -309,7 +309,7 @@ class DraftPolicy:
                 # (a drafter that produced nothing has nothing right to show either)
                 self.observe_probe(out.drafted > 0 and out.accepted > 0)
             elif w.probe:  # an n-gram probe without a match is no outcome: asked again soon
-                self.next_probe = self.step + 1 + self._jitter.randrange(self.probe_every)
+                self.next_probe = self.step + self.probe_every // 2 + self._jitter.randrange(self.probe_every)
             stats = w.request.draft_stats
             if out.drafted < out.produced:  # the step dropped a partial tile: later positions unseen
                 self.observe_verification(stats, out.drafted, out.drafted, out.accepted)
