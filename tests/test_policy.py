@@ -744,9 +744,10 @@ def test_an_n_gram_probe_without_a_match_is_no_outcome() -> None:
 def test_a_probe_stays_due_until_it_has_an_outcome() -> None:
     """One stream on a machine where a one-token draft cannot pay, its n-gram drafts priced
     not to pay. A probe that lands on a request's last tokens (too short a draft to pay) or
-    finds no match is no outcome: a probe comes again after the interval on average, at random. (Probes every 32 steps, each on the
-    second-to-last token of a 64-token request, each counted as rejected, backed off to 1,024
-    steps: a copying stream whose first draft was rejected drafted nothing for good.)"""
+    finds no match is no outcome: a probe comes again after the interval on average, at
+    random. (Probes every 32 steps, each on the second-to-last token of a 64-token request,
+    each counted as rejected, backed off to 1,024 steps: a copying stream whose first draft
+    was rejected drafted nothing for good.)"""
     rows_ms = {1: 9.4, 2: 21.0, 4: 30.0, 5: 47.0, 8: 36.0, 16: 47.0, 32: 94.0, 64: 170.0}
     cost = StepCost()
     cost.calibrate(lambda rows, prompt: (rows_ms[rows] + 0.9 * prompt) / 1000, 64)
@@ -765,7 +766,7 @@ def test_a_probe_stays_due_until_it_has_an_outcome() -> None:
     probe = policy.choose([request], 64, 16, 512, step=due + 1)
     assert probe == ([16], [16], 0)
     work = [SimpleNamespace(request=SimpleNamespace(slot=0, draft_stats=stats), n_draft=16, probe=True)]
-    _step(policy, work, drafted=0)  # no match: asked again within a few steps
+    _step(policy, work, drafted=0)  # no match: asked again about an interval later
     again = policy.next_probe
     assert due + 1 + policy.probe_every // 2 <= again < due + 1 + policy.probe_every * 3 // 2
     assert policy.probe_every == 2 * policy.tuning.probe_every
