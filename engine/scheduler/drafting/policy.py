@@ -153,14 +153,6 @@ class Drafting:
     lag: int = 0  #: tokens a catching-up draft model decodes before it drafts for it
 
 
-def _cap(r: Request, n_draft_max: int, n_ctx: int) -> int:
-    """The most drafts request ``r`` may verify this step: the context keeps room for them
-    and the token sampled after them, and none go past its ``max_tokens``."""
-    if not r.drafter_in_sync:
-        return 0
-    return max(0, min(n_draft_max, n_ctx - r.n_past - 2, r.params.max_tokens - len(r.output_ids) - 1))
-
-
 class Drafts(NamedTuple):
     """A step's drafts (:meth:`DraftPolicy.choose`), by decoding request in order."""
 
@@ -209,7 +201,6 @@ class DraftPolicy:
     next_probe: int = 0
     step: int = 0  #: the step being chosen
     _probe_turn: int = 0  #: the sequence probed next, by index
-    _probe_ks: dict[tuple[int, int], int] = field(default_factory=dict)  #: of a pending probe
     #: an n-gram probe that found no match is asked again after the probe interval on
     #: average, at random: not in step with requests of one length, and no more often (each
     #: probe that matches costs its rows, which at many streams its drafts do not repay)
@@ -249,16 +240,13 @@ class DraftPolicy:
             self._forget_choice()
             self.asked += n
             return Drafts([0] * n, [0] * n, None)
-        if probe >= 0 and self._probe_ks:  # (an n-gram probe asked again: only it is looked at)
-            cap = _cap(decoding[probe], n_draft_max, n_ctx)
-            k = self._probe_ks.get((n, cap))
-            if k is not None and self._none_stands(n):
-                self._forget_choice()
-                self.asked, self.probed = self.asked + n, probe
-                ks, caps = [0] * n, [0] * n
-                ks[probe], caps[probe] = min(k, room), cap
-                return Drafts(ks, caps, probe)
-        caps = [_cap(r, n_draft_max, n_ctx) for r in decoding]
+        caps = [
+            # (the context keeps room for the drafts and the token sampled after them)
+            max(0, min(n_draft_max, n_ctx - r.n_past - 2, r.params.max_tokens - len(r.output_ids) - 1))
+            if r.drafter_in_sync
+            else 0
+            for r in decoding
+        ]
         if self._every_match_stands(n, caps):  # (an n-gram drafter's steps while that pays)
             ks = list(caps)
         else:
@@ -308,7 +296,7 @@ class DraftPolicy:
             if w.probe and (out.produced or not self.every_match):
                 # (a drafter that produced nothing has nothing right to show either)
                 self.observe_probe(out.drafted > 0 and out.accepted > 0)
-            elif w.probe:  # an n-gram probe without a match is no outcome: asked again soon
+            elif w.probe:  # an n-gram probe without a match is no outcome: asked again later
                 self.next_probe = self.step + self.probe_every // 2 + self._jitter.randrange(self.probe_every)
             stats = w.request.draft_stats
             if out.drafted < out.produced:  # the step dropped a partial tile: later positions unseen
@@ -390,12 +378,9 @@ class DraftPolicy:
             return ks
         for i, (k, s) in enumerate(zip(ks, seqs, strict=True)):
             if s.probe and s.max_k > 0 and k == 0:
-                cached = self._probe_ks.get((n, s.max_k)) if self.every_match else None
-                k = self._probe_length(n, s) if cached is None else cached
+                k = self._probe_length(n, s)
                 if k:
                     ks[i], self.probed = k, i
-                    if self.every_match:  # (it may find no match: then it is asked again soon)
-                        self._probe_ks[n, s.max_k] = k
                 elif s.max_k >= self.k_cap:  # (one that could not pay waits as a rejected one does)
                     self.observe_probe(False)
                 # (else its request ends within a draft's length: the probe stays due)
@@ -480,7 +465,7 @@ class DraftPolicy:
         """A probe's outcome: a rejected one waits twice as long for the next."""
         t = self.tuning
         self.probe_every = t.probe_every if accepted else min(2 * self.probe_every, t.max_probe_every)
-        self.next_probe, self._probe_ks = self.step + self.probe_every, {}
+        self.next_probe = self.step + self.probe_every
 
     def _every_match_pays(self, n: int, k: int) -> bool:
         """Whether ``n`` sequences that all ask an n-gram drafter for up to ``k`` tokens make
