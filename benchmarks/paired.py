@@ -57,11 +57,32 @@ async def measure(
     max_tokens: int,
     repeats: int,
     prompts: Sequence[str | list[int]] | None,
+    fresh: bool = False,
 ) -> list[dict[str, float]]:
     """Per repeat and side (``off``, ``on``): steps, the native ms and host µs per step,
     busy seconds and tokens; drafted and accepted tokens (``drafted``: the on-side's; any two
     configurations can be compared); ``ratio``, the on-side's tokens per busy second ÷ the
-    off-side's."""
+    off-side's. ``fresh``: new engines for every repeat, so that what a draft policy learned
+    in one repeat does not carry into the next (as it does in a server that runs for hours)."""
+    if fresh:
+        return [
+            row
+            for rep in range(repeats)
+            for row in await _measure(cfg_off, cfg_on, n, n_requests, max_tokens, [rep], prompts)
+        ]
+    return await _measure(cfg_off, cfg_on, n, n_requests, max_tokens, range(repeats), prompts)
+
+
+async def _measure(
+    cfg_off: EngineConfig,
+    cfg_on: EngineConfig,
+    n: int,
+    n_requests: int,
+    max_tokens: int,
+    repeats: Sequence[int],
+    prompts: Sequence[str | list[int]] | None,
+) -> list[dict[str, float]]:
+    """The repeats ``repeats`` (their indices choose the requests) on one pair of engines."""
 
     async def load(results: dict[str, BenchResult], side: str, e: Engine, first: int) -> None:
         results[side] = await load_engine(e, n, n_requests, max_tokens, prompts, first=first)
@@ -72,7 +93,7 @@ async def measure(
             for e in (off, on):
                 await warm_up(e, prompts)
             reps = []
-            for rep in range(repeats):
+            for rep in repeats:
                 before = [
                     (e.metrics.steps, e.metrics.step_seconds, e.metrics.host_seconds) for e in (off, on)
                 ]
@@ -121,7 +142,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         med, lo, hi = r["ratio"]
         lines.append(
-            f"| {r['prompts']} | {r['n']} | {r['requests']} | {len(r['repeats'])} | **{med:.3f}** [{lo:.3f}, {hi:.3f}] "
+            f"| {r['prompts']}{' (fresh engines)' if r.get('fresh') else ''} | {r['n']} | {r['requests']} | {len(r['repeats'])} | **{med:.3f}** [{lo:.3f}, {hi:.3f}] "
             f"| {hi - lo:.3f} | {r['native_ms_off']:.1f} / {r['native_ms_on']:.1f} | {r['steps_off']} / {r['steps_on']} "
             f"| {r['drafted']} / {r['accepted']}{' (drafted nothing)' if not r['drafted'] else ''} |"
         )
@@ -158,7 +179,7 @@ def readme_table(rows: list[dict[str, Any]]) -> list[str]:
 
 async def main(args: argparse.Namespace) -> int:
     kept = json.loads(Path(args.json).read_text()) if Path(args.json).exists() else []
-    rows = {(r["prompts"], r["n"]): r for r in kept}  # (a row measured again replaces its old one)
+    rows = {(r["prompts"], r["n"], r.get("fresh", False)): r for r in kept}  # (measured again: replaced)
     for name in args.sets.split(","):
         prompts = load_prompts(name)
         for n in (int(x) for x in args.streams.split(",")):
@@ -172,11 +193,14 @@ async def main(args: argparse.Namespace) -> int:
                 for side, spec in (("off", "none"), ("on", SPEC))
             }
             n_req = args.requests or 4 * default_requests(n)
-            reps = await measure(cfg["off"], cfg["on"], n, n_req, MAX_TOKENS, args.repeats, prompts)
+            reps = await measure(
+                cfg["off"], cfg["on"], n, n_req, MAX_TOKENS, args.repeats, prompts, args.fresh
+            )
             med = {k: statistics.median(r[k] for r in reps) for k in reps[0]}
-            row = rows[name, n] = {
+            row = rows[name, n, args.fresh] = {
                 "prompts": name,
                 "n": n,
+                "fresh": args.fresh,
                 "requests": n_req,
                 "ratio": spread([r["ratio"] for r in reps]),
                 "native_ms_off": med["native_ms_off"],
@@ -195,13 +219,19 @@ async def main(args: argparse.Namespace) -> int:
                 f"steps {row['steps_off']} / {row['steps_on']}  drafted {row['drafted']} accepted {row['accepted']}",
                 flush=True,
             )
-            ordered = sorted(rows.values(), key=lambda r: (SETS.index(r["prompts"]), r["n"]))
+            ordered = sorted(
+                rows.values(), key=lambda r: (SETS.index(r["prompts"]), r["n"], r.get("fresh", False))
+            )
             Path(args.json).write_text(
                 json.dumps(ordered, indent=2)
             )  # (after every row: a long run keeps its rows)
             Path(args.markdown).write_text(markdown(ordered))
             if Path(args.json) == RESULTS / "paired.json":  # (the published rows)
-                update_readme(readme_table(ordered), ROOT / "README.md", "paired-table")
+                update_readme(
+                    readme_table([r for r in ordered if not r.get("fresh")]),
+                    ROOT / "README.md",
+                    "paired-table",
+                )
     return 0
 
 
@@ -213,6 +243,9 @@ if __name__ == "__main__":
     ap.add_argument("--streams", default="1,4,16")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--requests", type=int, help="requests per repeat (default 16N, at least 32)")
+    ap.add_argument(
+        "--fresh", action="store_true", help="new engines for every repeat (rows apart from the others)"
+    )
     ap.add_argument("--json", default=str(RESULTS / "paired.json"), help="rows kept and measured (merged)")
     ap.add_argument("--markdown", default=str(RESULTS / "paired.md"))
     args = ap.parse_args()
