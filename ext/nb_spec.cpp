@@ -615,6 +615,7 @@ void bind_session(nb::module_ & m) {
         .def("need_embd", &Bound<S, &SpecSession::need_embd>::call)
         .def("need_embd_pre_norm", &Bound<S, &SpecSession::need_embd_pre_norm>::call)
         .def("drafter_sync", &Bound<S, &SpecSession::drafter_sync>::call)
+        .def("can_shadow", &Bound<S, &SpecSession::can_shadow>::call)
         .def("decode_target", [](S & h, const std::vector<int32_t> & tokens, const std::vector<int32_t> & pos,
                                  const std::vector<int32_t> & seq, const std::vector<bool> & logits, bool process) {
                 BatchData b = make_batch(tokens, pos, seq, logits);
@@ -720,9 +721,11 @@ void bind_step(nb::module_ & m) {
             }, "seq"_a, "params"_a, "replay_prompt"_a = std::vector<int32_t>{},
             "replay_generated"_a = std::vector<int32_t>{})
         .def("work", [](StepPlan & p, int32_t seq, std::vector<int32_t> tokens, int32_t pos0, bool sample,
-                        int32_t n_draft, bool begin, int32_t max_draft) {
-                p.work.push_back({seq, std::move(tokens), pos0, sample, n_draft, std::max(max_draft, n_draft), begin});
-            }, "seq"_a, "tokens"_a, "pos0"_a, "sample"_a, "n_draft"_a = 0, "begin"_a = false, "max_draft"_a = 0);
+                        int32_t n_draft, bool begin, int32_t max_draft, int32_t shadow) {
+                p.work.push_back(
+                    {seq, std::move(tokens), pos0, sample, n_draft, std::max(max_draft, n_draft), begin, shadow});
+            }, "seq"_a, "tokens"_a, "pos0"_a, "sample"_a, "n_draft"_a = 0, "begin"_a = false, "max_draft"_a = 0,
+            "shadow"_a = 0);
 
     nb::class_<StepOutput>(m, "StepOutput")
         .def_ro("seq", &StepOutput::seq)
@@ -736,6 +739,7 @@ void bind_step(nb::module_ & m) {
         .def_ro("produced", &StepOutput::produced)
         .def_ro("accepted", &StepOutput::accepted)
         .def_ro("in_sync", &StepOutput::in_sync)
+        .def_ro("shadow", &StepOutput::shadow)
         .def_prop_ro("logprobs", [](const StepOutput & o) {  // [(logprob, [(token, logprob, bytes)...])]
             nb::list out;
             for (const TokenLogprobs & lp : o.logprobs) {

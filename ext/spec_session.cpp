@@ -419,6 +419,10 @@ std::vector<llama_token> SpecSession::draft(int32_t seq_id, int32_t n_past, llam
 void SpecSession::check_draft_request(const DraftRequest & r) const {
     const uint32_t n_ctx = target_->params().n_ctx;
     check_seq(r.seq_id);
+    if (r.shadow && !can_shadow()) {
+        fail(ErrorKind::InvalidArgument, "a '" + config_.type +
+                                             "' drafter cannot draft in shadow: its state follows what is verified");
+    }
     if (pending_[r.seq_id] >= 0) {
         Error e(ErrorKind::ProposalPending, "sequence " + std::to_string(r.seq_id) + " still has an unaccepted draft proposal");
         e.seq_id = r.seq_id;
@@ -491,7 +495,7 @@ std::vector<std::vector<llama_token>> SpecSession::draft_many(const std::vector<
         const int32_t s = requests[i].seq_id;
         out[i] = std::move(results_[s]);
         results_[s].clear();
-        if (!out[i].empty()) {
+        if (!out[i].empty() && !requests[i].shadow) {
             pending_[s] = static_cast<int32_t>(out[i].size());
             ++stats_.n_drafts;
             stats_.n_drafted += out[i].size();

@@ -60,6 +60,10 @@ struct DraftRequest {
     int32_t n_past;
     int32_t id_last;
     int32_t n_max;  // -1: the configured n_draft_max
+    // Drafted only to be compared with what the target emits later: no proposal is left
+    // pending (nothing is verified, accepted or counted). Only a drafter whose state does
+    // not follow what is verified can (can_shadow).
+    bool shadow = false;
 };
 
 // One sequence's whole state, captured at a quiescent point: target and draft KV (llama.cpp
@@ -114,6 +118,9 @@ public:
     void check_draft_request(const DraftRequest & r) const;
     // One upstream draft call for many sequences; result i belongs to requests[i].
     std::vector<std::vector<llama_token>> draft_many(const std::vector<DraftRequest> & requests);
+    // Whether the drafter may draft in shadow (DraftRequest::shadow): ngram-simple, whose
+    // drafts are a pure function of the history and whose accept does nothing.
+    bool can_shadow() const { return config_.type == "ngram-simple"; }
     void accept(int32_t seq_id, int64_t n_accepted);
     // Lengthen a pending proposal by tokens the caller appended to the draft (fillers that
     // verification may accept; upstream accept indexes the verified rows, which hold them).

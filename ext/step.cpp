@@ -23,9 +23,11 @@ struct StepRunner::State {
     std::vector<const StepWork *> work;             // valid work items, ascending sequence ids
     std::vector<std::vector<llama_token>> drafts;   // per sequence
     std::vector<int32_t> produced;                  // per sequence: drafts produced before any trim
+    std::vector<std::vector<llama_token>> shadows;  // per sequence: its shadow draft (not verified)
     std::optional<Error> decode_error;              // why the last decode_and_verify failed
 
-    State(const StepPlan & p, size_t n_seq) : plan(p), failed(n_seq, false), drafts(n_seq), produced(n_seq, 0) {}
+    State(const StepPlan & p, size_t n_seq)
+        : plan(p), failed(n_seq, false), drafts(n_seq), produced(n_seq, 0), shadows(n_seq) {}
 };
 
 StepRunner::StepRunner(std::shared_ptr<SpecSession> session)
@@ -197,6 +199,9 @@ void StepRunner::select_work(State & st) {
                 // drafting continues from a token whose predecessors the drafter has seen
                 fail(ErrorKind::InvalidArgument, "only a single-token sampling item may draft");
             }
+            if (w.shadow > 0 && (w.n_draft > 0 || w.tokens.size() != 1 || !w.sample)) {
+                fail(ErrorKind::InvalidArgument, "only a single-token sampling item that drafts nothing may shadow");
+            }
             if (w.tokens.size() + std::max(w.n_draft, 0) > n_batch) {
                 fail(ErrorKind::InvalidArgument, "a work item exceeds n_batch");
             }
@@ -217,8 +222,9 @@ void StepRunner::draft(State & st) {
     std::vector<DraftRequest> requests;
     for (auto it = st.work.begin(); it != st.work.end();) {
         const StepWork * w = *it;
-        if (w->sample && w->n_draft > 0) {
-            DraftRequest r{w->seq, w->pos0, w->tokens.back(), w->n_draft};
+        if (w->sample && (w->n_draft > 0 || w->shadow > 0)) {
+            const bool shadow = w->n_draft <= 0;
+            DraftRequest r{w->seq, w->pos0, w->tokens.back(), shadow ? w->shadow : w->n_draft, shadow};
             try {
                 s.check_draft_request(r);  // one bad request must not fail the others' draft call
             } catch (const std::exception & e) {
@@ -237,7 +243,9 @@ void StepRunner::draft(State & st) {
     const int64_t t0 = now_us();
     try {
         std::vector<std::vector<llama_token>> got = s.draft_many(requests);
-        for (size_t i = 0; i < requests.size(); ++i) st.drafts[requests[i].seq_id] = std::move(got[i]);
+        for (size_t i = 0; i < requests.size(); ++i) {
+            (requests[i].shadow ? st.shadows : st.drafts)[requests[i].seq_id] = std::move(got[i]);
+        }
     } catch (const std::exception & e) {
         // drafts are optional: the step goes on without them (nothing is pending)
         st.result.draft_error = e.what();
@@ -247,6 +255,9 @@ void StepRunner::draft(State & st) {
     st.result.t_catch_up_us += stats.t_catch_up_us - t_caught_up;
     st.result.t_draft_us += now_us() - t0 - (stats.t_catch_up_us - t_caught_up);
     st.result.n_draft_calls = 1;
+    // (shadow drafts take no rows)
+    requests.erase(std::remove_if(requests.begin(), requests.end(), [](const DraftRequest & r) { return r.shadow; }),
+                   requests.end());
     size_t shortest = SIZE_MAX;
     for (const DraftRequest & r : requests) {
         st.produced[r.seq_id] = static_cast<int32_t>(st.drafts[r.seq_id].size());
@@ -405,6 +416,7 @@ bool StepRunner::decode_and_verify(State & st, const std::vector<const StepWork 
         out.produced = st.produced[w.seq];
         out.accepted = static_cast<int32_t>(out.tokens.size()) - 1;
         out.in_sync = s.in_sync(w.seq);
+        out.shadow = std::move(st.shadows[w.seq]);
         unsettled_[w.seq] = Unsettled{w.pos0 + n_tok - 1, out.accepted, w.begin};
         st.result.outputs.push_back(std::move(out));
     }

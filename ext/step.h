@@ -33,6 +33,9 @@ struct StepWork {
     int32_t n_draft = 0;          // at most this many draft tokens after `tokens`
     int32_t max_draft = 0;        // draft rows it may take, fillers included (see output_align)
     bool begin = false;           // the last chunk of a prompt: start the drafter's generation
+    // Drafts made only to be compared with the tokens the sequence emits (free evidence
+    // of what drafting would bring): none is verified. Needs n_draft == 0 (can_shadow).
+    int32_t shadow = 0;
 };
 
 struct StepRestore {
@@ -92,6 +95,7 @@ struct StepOutput {
     int32_t produced = 0;             // drafts the drafter produced (before any trim)
     int32_t accepted = 0;             // drafts verification accepted (tokens.size() - 1)
     bool in_sync = true;              // the drafter can draft for the sequence (see sync_drafter)
+    std::vector<int32_t> shadow;      // the shadow draft (StepWork::shadow), not verified
     std::vector<TokenLogprobs> logprobs;  // per token, when its request asked for them
 };
 

@@ -760,11 +760,11 @@ def test_a_probe_stays_due_until_it_has_an_outcome() -> None:
     policy.observe_probe(False)
     request.output_ids = [0] * 98  # its last draftable token: a right draft of one cannot pay
     due = policy.next_probe
-    assert policy.choose([request], 64, 16, 512, step=due) == ([0], [1], None)
+    assert policy.choose([request], 64, 16, 512, step=due) == ([0], [1], None, [0])
     assert policy.probe_every == 2 * policy.tuning.probe_every  # (not backed off again)
     request.output_ids = []  # the next request
     probe = policy.choose([request], 64, 16, 512, step=due + 1)
-    assert probe == ([16], [16], 0)
+    assert probe == ([16], [16], 0, [0])
     work = [SimpleNamespace(request=SimpleNamespace(slot=0, draft_stats=stats), n_draft=16, probe=True)]
     _step(policy, work, drafted=0)  # no match: asked again about an interval later
     again = policy.next_probe
@@ -791,7 +791,7 @@ def test_a_step_whose_choice_of_none_stands_builds_nothing() -> None:
     assert policy.choose(requests, 256, 6, 512, step=5).lengths == [0] * 16  # searched again
     gated = DraftPolicy(cost=linear_cost(0.010, 0.004), sync=DrafterSync.STREAM)
     gated.gate.open = False
-    assert gated.choose(unreadable, 256, 6, 512, step=1) == ([0] * 16, [0] * 16, None)
+    assert gated.choose(unreadable, 256, 6, 512, step=1) == ([0] * 16, [0] * 16, None, [0] * 16)
 
 
 def test_asking_every_match_on_a_standing_price_chooses_as_the_full_choice_does() -> None:
@@ -808,3 +808,97 @@ def test_asking_every_match_on_a_standing_price_chooses_as_the_full_choice_does(
         assert drafts.lengths == full.lengths([Drafting(r.draft_stats, 8) for r in requests]) == [8] * 4
         assert (short.asked, short.k_cap, short._taken) == (full.asked, full.k_cap, full._taken)
     assert short._matching == full._matching and [p.asked for p in short._matching.values()] == [4 * 65]
+
+
+def _shadow_step(
+    policy: DraftPolicy,
+    requests: list[SimpleNamespace],
+    step: int,
+    emitted: list[list[int]],
+    drafts: dict[int, list[int]],
+) -> list[int]:
+    """One step of ``requests`` (slots 0..): ``choose``, then ``observe`` of a step in which
+    slot i emitted ``emitted[i]`` and the drafter, asked in shadow, drafted ``drafts[i]``.
+    Returns the shadow asks."""
+    asks = policy.choose(requests, 256, 16, 512, step).shadows
+    work = [
+        SimpleNamespace(request=r, sample=True, decoding=True, n_draft=0, probe=False, shadow=ask)
+        for r, ask in zip(requests, asks, strict=True)
+    ]
+    outputs = [
+        SimpleNamespace(
+            seq=i,
+            drafted=0,
+            produced=0,
+            accepted=0,
+            tokens=emitted[i],
+            shadow=drafts.get(i, []) if asks[i] else [],
+        )
+        for i in range(len(requests))
+    ]
+    t_decode_us = policy.cost.target(len(requests)) * 1e6  # (as calibrated)
+    policy.observe(work, step_result(outputs, t_decode_us), by_seq(outputs))
+    return asks
+
+
+def test_a_shadow_draft_is_checked_against_the_tokens_its_sequence_emits() -> None:
+    """Where the drafter drafts in shadow, a sequence that drafts nothing asks for its longest
+    draft all the same; the draft waits for the tokens the sequence emits and is recorded as a
+    verification once one differs (into the request's stats and the engine's), without
+    counting as a rejection that cost rows. No probes are made: the shadows measure every
+    sequence."""
+    policy = DraftPolicy(cost=linear_cost(0.001, 0.020), every_match=True, shadow=True)
+    stats = DraftStats()
+    request = decoding_request(stats)
+    request.slot = 0
+    assert _shadow_step(policy, [request], 0, [[5]], {0: [5, 6, 7, 8]}) == [16]
+    assert stats.version == 0  # (waiting: 1 of 4 emitted so far)
+    assert _shadow_step(policy, [request], 1, [[6]], {}) == [0]  # (one pending: none asked)
+    assert _shadow_step(policy, [request], 2, [[9]], {}) == [0]  # 7 expected: 2 right
+    assert stats.version == policy.engine.version == 1
+    assert (stats.count(0, 16), stats.count(1, 4), stats.count(2, 2), stats.count(2, 3)) == (1, 1, 1, 0)
+    assert (policy.engine.matched, policy.engine.rejected) == (1, 0)
+    assert _shadow_step(policy, [request], 3, [[1]], {}) == [16]  # no match: recorded at once
+    assert stats.version == 2 and stats.matched == 1
+    assert policy.probed is None and policy.next_probe == 0
+
+
+def test_a_shadow_draft_of_a_request_that_ended_is_dropped() -> None:
+    policy = DraftPolicy(cost=linear_cost(0.001, 0.020), every_match=True, shadow=True)
+    first, second = decoding_request(DraftStats()), decoding_request(DraftStats())
+    first.slot = second.slot = 0
+    _shadow_step(policy, [first], 0, [[5]], {0: [5, 6]})
+    assert _shadow_step(policy, [second], 1, [[7]], {0: [7, 1]}) == [16]  # (its slot, its own)
+    _shadow_step(policy, [second], 2, [[2]], {})
+    assert first.draft_stats.version == 0
+    assert second.draft_stats.count(2, 1) == 1 and second.draft_stats.count(2, 2) == 0
+
+
+def test_shadow_drafts_price_drafting_every_match_again_after_a_bad_start() -> None:
+    """Copying answers at 16 streams whose first drafts, at the answers' starts, were
+    accepted less and less deep: drafting every match is priced not to pay, on a machine
+    where a row costs a sixtieth of a step. Shadow drafts of the copying that follows (14 of
+    16 tokens right, every sequence matching) bring the engine's rates up within a few dozen
+    steps, and the price pays again. (Without them only a probe every 32 steps added
+    evidence, and such a start priced the rest of the run.)"""
+    cost = linear_cost(0.020, 0.0005, max_rows=512)
+    policy = DraftPolicy(cost=cost, every_match=True, shadow=True)
+    n, k = 16, 16
+    for i in range(24):  # the burst at the answers' starts
+        policy.engine.record(k, k, [1, 2, 3, 3, 4, 0][i % 6])
+    requests = []
+    for slot in range(n):
+        requests.append(decoding_request(DraftStats()))
+        requests[-1].slot = slot
+    policy.choose(requests, 256, k, 512, 0)
+    assert not policy._matching[n, k].pays
+    step, pays = 1, []
+    while step < 60 and not pays:
+        emitted = [[100 + step] for _ in range(n)]
+        # (each sequence's pending draft is right up to its 15th token, then differs)
+        drafts = {i: [100 + step + j for j in range(14)] + [0, 0] for i in range(n)}
+        _shadow_step(policy, requests, step, emitted, drafts)
+        price = policy._matching.get((n, k))
+        pays = [step] if price is not None and price.pays else []
+        step += 1
+    assert pays, "drafting every match never priced to pay again"

@@ -143,3 +143,71 @@ def test_feeding_eagle3_a_prompt_computes_and_keeps_no_logits_per_token(model_pa
         cwd=Path(__file__).resolve().parent.parent,
     )
     assert float(run.stdout) < 64, run.stdout
+
+
+def _greedy_steps(
+    session: SpeculativeSession, prompt: list[int], steps: int, shadow: int, n_draft: int = 0
+) -> list:
+    """One sequence through the engine step: its prompt, then ``steps`` single-token steps,
+    each asking for ``shadow`` drafts in shadow (and ``n_draft`` verified ones). Returns each
+    decoding step's output."""
+    from engine import _nb_spec
+    from engine.scheduler.native import sampler_params, step_runner
+    from engine.scheduler.params import SamplingParams
+
+    runner = step_runner(session)
+    plan = _nb_spec.StepPlan()
+    plan.configure(0, sampler_params(SamplingParams(temperature=0.0), 0))
+    plan.work(0, prompt, 0, True, 0, True)
+    out = runner.step_async(plan).result().outputs[0]
+    n_past, outputs = len(prompt), []
+    for _ in range(steps):
+        plan = _nb_spec.StepPlan()
+        plan.work(0, [out.tokens[-1]], n_past, True, n_draft, False, 0, shadow)
+        result = runner.step_async(plan).result()
+        if result.errors:  # (refused: the caller reads why)
+            return [result]
+        out = result.outputs[0]
+        n_past += len(out.tokens)
+        outputs.append(out)
+    return outputs
+
+
+def test_shadow_drafts_are_drafted_but_never_verified(models: ModelCache) -> None:
+    """An ngram-simple drafter asked in shadow drafts as it would for real, but the step
+    verifies none of it: the output is plain greedy's, no proposal is left pending, and the
+    session counts no drafts. On a model whose greedy walk cycles, the shadow drafts are
+    what the sequence emits next."""
+    prompt = models("walk-llama-cycle6").tokenize(TEXTS[2])
+    spec = ("walk-llama-cycle6", None, "ngram-simple", {"ngram_size_n": 2, "ngram_size_m": 4}, False)
+    session = open_session(models, *spec, n_seq=1)
+    assert session.can_shadow()
+    shadowed = _greedy_steps(session, prompt, 24, shadow=4)
+    assert session.is_quiescent() and session.stats().n_drafts == 0
+    plain = _greedy_steps(open_session(models, *spec, n_seq=1), prompt, 24, shadow=0)
+    emitted = [out.tokens[0] for out in shadowed]
+    assert emitted == [out.tokens[0] for out in plain]
+    assert all(out.drafted == 0 and out.produced == 0 and len(out.tokens) == 1 for out in shadowed)
+    drafts = [(i, list(out.shadow)) for i, out in enumerate(shadowed) if out.shadow]
+    assert drafts and all(len(d) <= 4 for _, d in drafts)
+    assert not any(out.shadow for out in plain)
+    for i, draft in drafts[-4:]:  # (the walk has cycled by then: every n-gram draft is right)
+        assert emitted[i : i + len(draft)] == draft[: len(emitted) - i]
+
+
+def test_a_shadow_draft_is_refused_where_it_cannot_be_one(models: ModelCache) -> None:
+    """Shadow drafts need an item that drafts nothing and a drafter whose state does not
+    follow what is verified (ngram-mod's does): otherwise the step refuses the item with a
+    typed error and goes on."""
+    prompt = models("walk-llama-cycle6").tokenize(TEXTS[2])
+    simple = open_session(
+        models, "walk-llama-cycle6", None, "ngram-simple", {"ngram_size_n": 2}, False, n_seq=1
+    )
+    (both,) = _greedy_steps(simple, prompt, 1, shadow=4, n_draft=2)
+    assert [e.kind for e in both.errors] == ["InvalidArgumentError"] and "shadow" in both.errors[0].message
+    mod = open_session(models, "walk-llama-cycle6", None, "ngram-mod", {}, False, n_seq=1)
+    assert not mod.can_shadow()
+    (refused,) = _greedy_steps(mod, prompt, 1, shadow=4)
+    assert [e.kind for e in refused.errors] == ["InvalidArgumentError"]
+    assert "cannot draft in shadow" in refused.errors[0].message
+    assert mod.is_quiescent()

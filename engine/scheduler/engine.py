@@ -146,6 +146,7 @@ class Engine:
             self.metrics,
             prefix_cache=cfg.prefix_cache and not (info.is_recurrent or info.is_hybrid),
             drafter_sync=DrafterSync(self._session.drafter_sync()),
+            shadow_drafts=self._session.can_shadow(),
         )
         self._inputs = InputProcessor(
             self._model, cfg.n_ctx, fingerprint, with_draft, _chat_template(self._model, cfg)

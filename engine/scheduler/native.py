@@ -98,5 +98,5 @@ def step_plan(plan: Plan) -> _nb_spec.StepPlan:
         )
     for w in plan.work:
         assert w.request.slot is not None
-        p.work(w.request.slot, w.tokens, w.pos0, w.sample, w.n_draft, w.begin, w.max_draft)
+        p.work(w.request.slot, w.tokens, w.pos0, w.sample, w.n_draft, w.begin, w.max_draft, w.shadow)
     return p

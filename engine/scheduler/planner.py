@@ -122,6 +122,7 @@ class WorkItem:
     begin: bool  #: the prompt's last chunk: the drafter begins its generation
     max_draft: int = 0  #: draft rows it could take (fillers that align the batch included)
     probe: bool = False  #: it drafts only to see whether its drafts are right again
+    shadow: int = 0  #: drafts it asks for but does not verify (see DraftPolicy.shadow)
 
     @property
     def decoding(self) -> bool:
@@ -204,14 +205,14 @@ def plan_step(
     reserve = min(prefill_reserve, n_batch // 2) if prefilling else 0
     n_dec = min(len(decoding), n_batch)
     decoding = decoding[:n_dec]
-    ks = caps = [0] * n_dec
+    ks = caps = shadows = [0] * n_dec
     probed = None
     if speculative and n_dec:
         room = max(0, n_batch - reserve - n_dec)  # draft rows that fit beside the prompts
-        ks, caps, probed = policy.choose(decoding, room, n_draft_max, n_ctx, step)
+        ks, caps, probed, shadows = policy.choose(decoding, room, n_draft_max, n_ctx, step)
     work = [
-        WorkItem(r, [r.last], r.n_past, True, k, False, cap, probe=i == probed)  # type: ignore[list-item]
-        for i, (r, k, cap) in enumerate(zip(decoding, ks, caps, strict=True))
+        WorkItem(r, [r.last], r.n_past, True, k, False, cap, probe=i == probed, shadow=sh)  # type: ignore[list-item]
+        for i, (r, k, cap, sh) in enumerate(zip(decoding, ks, caps, shadows, strict=True))
     ]
     budget = n_batch - n_dec - sum(ks)
     for r in prefilling:

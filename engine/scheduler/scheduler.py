@@ -108,6 +108,7 @@ class Scheduler:
         metrics: EngineMetrics,
         prefix_cache: bool = False,
         drafter_sync: DrafterSync = DrafterSync.NONE,
+        shadow_drafts: bool = False,
     ) -> None:
         self.config = config
         self.metrics = metrics
@@ -121,6 +122,7 @@ class Scheduler:
             uniform=not config.unified_kv,
             sync=drafter_sync,
             every_match=drafter_sync is DrafterSync.NONE,
+            shadow=shadow_drafts,
         )
         self._eog = tuple(eog_tokens)
         self._settles: dict[int, int] = {}  # slot -> drafts kept, settled at the next boundary

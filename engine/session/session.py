@@ -160,6 +160,11 @@ class SpeculativeSession:
         drafters), ``catch_up`` (a draft model) or ``stream`` (hidden-state drafters)."""
         return str(self.native.drafter_sync())
 
+    def can_shadow(self) -> bool:
+        """Whether the engine step may ask the drafter for drafts it does not verify (only
+        ngram-simple: its drafts depend on the history alone, and accepting does nothing)."""
+        return bool(self.native.can_shadow())
+
     def need_embd_pre_norm(self) -> bool:
         """Whether the drafter turned on pre-norm hidden-state extraction on the target
         (layer inputs, the NextN hidden state: EAGLE-3, DFlash, MTP); read from the target

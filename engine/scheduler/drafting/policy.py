@@ -159,6 +159,17 @@ class Drafts(NamedTuple):
     lengths: list[int]  #: drafts each verifies
     caps: list[int]  #: the most each could have verified
     probed: int | None  #: the one drafting only to see whether its drafts are right again
+    shadows: list[int]  #: drafts each asks for in shadow (see :attr:`DraftPolicy.shadow`)
+
+
+@dataclass(slots=True)
+class _Shadow:
+    """A shadow draft waiting for the tokens its sequence emits."""
+
+    request: Request
+    tokens: list[int]
+    requested: int
+    seen: int = 0  #: how many of its first tokens the sequence emitted so far
 
 
 @dataclass(frozen=True)
@@ -194,6 +205,13 @@ class DraftPolicy:
     #: an n-gram drafter (:attr:`DrafterSync.NONE`): every sequence asks for its longest
     #: draft while the engine's accepted-per-row pays (see :meth:`_every_match_pays`)
     every_match: bool = False
+    #: the drafter drafts in shadow (the session's ``can_shadow``: ngram-simple): a
+    #: sequence that drafts nothing asks it for its longest draft all the same, and nothing
+    #: verifies that draft but the tokens the sequence emits next. Every sequence's stats and
+    #: the engine's then measure what drafting every match would bring, at no cost in rows
+    #: (probes measured one sequence every ``probe_every`` steps and paid for its rows), so
+    #: a burst of drafts at the answers' starts does not price the rest of a run.
+    shadow: bool = False
     probe_every: int = Tuning.probe_every  #: steps between probes now
     #: the step from which a probe is due; one stays due until a probe has an outcome, so
     #: that probes do not fall in step with requests of one length (a probe on a request's
@@ -224,6 +242,12 @@ class DraftPolicy:
     _taken: tuple[_Realized, float, float] | None = None
     _log_ways: dict[int, np.ndarray] = field(default_factory=dict)  #: log C(n, j), j = 0..n
     _prior: tuple[int, int, np.ndarray] | None = None  #: (engine version, k, priors(k) as rows)
+    _shadows: dict[int, _Shadow] = field(default_factory=dict)  #: pending shadow drafts, by slot
+
+    @property
+    def shadowing(self) -> bool:
+        """Whether sequences that draft nothing draft in shadow (see :attr:`shadow`)."""
+        return self.shadow and self.adaptive and self.every_match and not self.uniform
 
     # --- what the scheduler calls: choose a step's drafts, feed the drafter, observe -------
     def choose(
@@ -233,20 +257,16 @@ class DraftPolicy:
         fitting in its batch beside the prompts (shortest drafts kept first)."""
         n = len(decoding)
         self.step, probe = step, -1
-        shut = self.sync is DrafterSync.STREAM and not self.gate.open  # (nothing drafts: no probe)
-        if n and step >= self.next_probe and not shut:
+        # (nothing drafts: no probe; shadow drafts measure every sequence: none needed)
+        shut = self.sync is DrafterSync.STREAM and not self.gate.open
+        if n and step >= self.next_probe and not shut and not self.shadowing:
             probe, self._probe_turn = self._probe_turn % n, self._probe_turn + 1
         if probe < 0 and self._none_stands(n):  # (most steps of an idle drafter: nothing to weigh)
             self._forget_choice()
             self.asked += n
-            return Drafts([0] * n, [0] * n, None)
-        caps = [
-            # (the context keeps room for the drafts and the token sampled after them)
-            max(0, min(n_draft_max, n_ctx - r.n_past - 2, r.params.max_tokens - len(r.output_ids) - 1))
-            if r.drafter_in_sync
-            else 0
-            for r in decoding
-        ]
+            caps = self._caps(decoding, n_draft_max, n_ctx) if self.shadowing else [0] * n
+            return Drafts([0] * n, [0] * n, None, self._shadow_asks(decoding, [0] * n, caps))
+        caps = self._caps(decoding, n_draft_max, n_ctx)
         if self._every_match_stands(n, caps):  # (an n-gram drafter's steps while that pays)
             ks = list(caps)
         else:
@@ -263,7 +283,29 @@ class DraftPolicy:
             ks = [min(k, room // n) for k in ks]
         while sum(ks) > room:  # shorten the longest drafts first
             ks[max(range(n), key=lambda i: ks[i])] -= 1
-        return Drafts(ks, caps, self.probed)
+        return Drafts(ks, caps, self.probed, self._shadow_asks(decoding, ks, caps))
+
+    @staticmethod
+    def _caps(decoding: Sequence[Request], n_draft_max: int, n_ctx: int) -> list[int]:
+        """The most drafts each request may verify this step."""
+        return [
+            # (the context keeps room for the drafts and the token sampled after them)
+            max(0, min(n_draft_max, n_ctx - r.n_past - 2, r.params.max_tokens - len(r.output_ids) - 1))
+            if r.drafter_in_sync
+            else 0
+            for r in decoding
+        ]
+
+    def _shadow_asks(self, decoding: Sequence[Request], ks: list[int], caps: list[int]) -> list[int]:
+        """Drafts each request asks for in shadow: its longest, where it drafts nothing and
+        no shadow draft of its own is pending."""
+        if not self.shadowing:
+            return [0] * len(decoding)
+        pending = self._shadows
+        return [
+            cap if k == 0 and ((s := pending.get(r.slot)) is None or s.request is not r) else 0  # type: ignore[arg-type]
+            for r, k, cap in zip(decoding, ks, caps, strict=True)
+        ]
 
     def tiles(self) -> tuple[int, int]:
         """(tile, from rows): how the native step pads a batch's rows with logits to whole
@@ -288,6 +330,8 @@ class DraftPolicy:
     def observe(self, work: Sequence[WorkItem], result: Any, outputs: dict[Any, Any]) -> None:
         """A native step's result (``_nb_spec.StepResult``, its outputs by sequence): each
         verification, a probe's outcome, and what the step cost."""
+        if self.shadowing:
+            self._check_shadows(work, outputs)
         asked = False
         for w in work:
             if w.n_draft == 0 or (out := outputs.get(w.request.slot)) is None:
@@ -329,6 +373,33 @@ class DraftPolicy:
             )
         if result.n_sync_tokens:
             self.observe_sync(result.n_sync_tokens, (result.t_process_us + result.t_catch_up_us) / 1e6)
+
+    def _check_shadows(self, work: Sequence[WorkItem], outputs: dict[Any, Any]) -> None:
+        """This step's shadow drafts and the pending ones against the tokens their sequences
+        emitted: one is recorded as a verification once a token differs or every token of
+        it was emitted (one of a request that ends first is dropped)."""
+        for w in work:
+            if not w.decoding or (out := outputs.get(w.request.slot)) is None:
+                continue
+            slot = out.seq
+            pending = self._shadows.get(slot)
+            if w.shadow:
+                if not out.shadow:  # (no n-gram matched)
+                    self.observe_verification(w.request.draft_stats, w.shadow, 0, 0, shadow=True)
+                    continue
+                pending = self._shadows[slot] = _Shadow(w.request, list(out.shadow), w.shadow)
+            elif pending is None or pending.request is not w.request:
+                continue
+            draft, emitted, m = pending.tokens, out.tokens, 0
+            while (
+                m < len(emitted) and pending.seen + m < len(draft) and draft[pending.seen + m] == emitted[m]
+            ):
+                m += 1
+            pending.seen += m
+            if m < len(emitted) or pending.seen == len(draft):
+                del self._shadows[slot]
+                stats = w.request.draft_stats
+                self.observe_verification(stats, pending.requested, len(draft), pending.seen, shadow=True)
 
     def prior(self, m: int) -> tuple[float, float]:
         """Engine-wide rates at position m (see :meth:`priors`)."""
@@ -682,6 +753,8 @@ class DraftPolicy:
         """The drafter keeping up in one step: ``rows`` decoded in ``seconds``."""
         self.cost.observe_sync(rows, seconds)
 
-    def observe_verification(self, stats: DraftStats, requested: int, produced: int, accepted: int) -> None:
-        stats.record(requested, produced, accepted)
-        self.engine.record(requested, produced, accepted)
+    def observe_verification(
+        self, stats: DraftStats, requested: int, produced: int, accepted: int, shadow: bool = False
+    ) -> None:
+        stats.record(requested, produced, accepted, shadow)
+        self.engine.record(requested, produced, accepted, shadow)

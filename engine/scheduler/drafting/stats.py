@@ -45,7 +45,7 @@ class DraftStats:
     decay: float = 1.0
     version: int = 0  #: counts the verifications recorded
     matched: int = 0  #: counts those in which the drafter produced a token
-    rejected: int = 0  #: counts those in which the target rejected a drafted token
+    rejected: int = 0  #: counts those in which the target rejected a drafted token (rows paid)
     _scale: float = field(default=1.0, repr=False)  #: a count is the stored value times this
     #: requested, produced, accepted: per position, the change from the position before
     _diffs: list[list[float]] = field(default_factory=lambda: [[0.0] for _ in range(3)], repr=False)
@@ -53,9 +53,10 @@ class DraftStats:
     _dense: tuple[int, list[list[float]]] | None = field(default=None, repr=False, compare=False)  #: _runs
     _counts: tuple[int, np.ndarray] | None = field(default=None, repr=False, compare=False)
 
-    def record(self, requested: int, produced: int, accepted: int) -> None:
+    def record(self, requested: int, produced: int, accepted: int, shadow: bool = False) -> None:
         """One verification: ``requested`` draft positions, ``produced`` of them drafted,
-        the first ``accepted`` of those accepted."""
+        the first ``accepted`` of those accepted; ``shadow``: a draft checked against the
+        tokens emitted after it, not verified (its rejection cost no rows)."""
         if requested <= 0:
             return
         self.version += 1
@@ -75,7 +76,7 @@ class DraftStats:
             return
         produced, accepted = min(produced, requested), min(accepted, produced, requested)
         self.matched += 1
-        if accepted < produced:
+        if accepted < produced and not shadow:
             self.rejected += 1
         for series, upto in ((_REQUESTED, requested), (_PRODUCED, produced), (_ACCEPTED, accepted)):
             if upto > 0:
