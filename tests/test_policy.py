@@ -845,8 +845,8 @@ def test_a_shadow_draft_is_checked_against_the_tokens_its_sequence_emits() -> No
     """Where the drafter drafts in shadow, a sequence that drafts nothing asks for its longest
     draft all the same; the draft waits for the tokens the sequence emits and is recorded as a
     verification once one differs (into the request's stats and the engine's), without
-    counting as a rejection that cost rows. No probes are made: the shadows measure every
-    sequence."""
+    counting as a rejection that cost rows. A sequence asks on one step in four, by step and
+    slot. No probes are made: the shadows measure every sequence."""
     policy = DraftPolicy(cost=linear_cost(0.001, 0.020), every_match=True, shadow=True)
     stats = DraftStats()
     request = decoding_request(stats)
@@ -858,7 +858,8 @@ def test_a_shadow_draft_is_checked_against_the_tokens_its_sequence_emits() -> No
     assert stats.version == policy.engine.version == 1
     assert (stats.count(0, 16), stats.count(1, 4), stats.count(2, 2), stats.count(2, 3)) == (1, 1, 1, 0)
     assert (policy.engine.matched, policy.engine.rejected) == (1, 0)
-    assert _shadow_step(policy, [request], 3, [[1]], {}) == [16]  # no match: recorded at once
+    assert _shadow_step(policy, [request], 3, [[1]], {}) == [0]  # (not its turn: one step in 4)
+    assert _shadow_step(policy, [request], 4, [[1]], {}) == [16]  # no match: recorded at once
     assert stats.version == 2 and stats.matched == 1
     assert policy.probed is None and policy.next_probe == 0
 
@@ -868,8 +869,8 @@ def test_a_shadow_draft_of_a_request_that_ended_is_dropped() -> None:
     first, second = decoding_request(DraftStats()), decoding_request(DraftStats())
     first.slot = second.slot = 0
     _shadow_step(policy, [first], 0, [[5]], {0: [5, 6]})
-    assert _shadow_step(policy, [second], 1, [[7]], {0: [7, 1]}) == [16]  # (its slot, its own)
-    _shadow_step(policy, [second], 2, [[2]], {})
+    assert _shadow_step(policy, [second], 4, [[7]], {0: [7, 1]}) == [16]  # (its slot, its own)
+    _shadow_step(policy, [second], 5, [[2]], {})
     assert first.draft_stats.version == 0
     assert second.draft_stats.count(2, 1) == 1 and second.draft_stats.count(2, 2) == 0
 

@@ -28,7 +28,10 @@ their rows, a step costs exactly what it costs without speculation. Every price 
 against what the steps taken on it delivered (accepted tokens and seconds), and scaled by
 that: estimates learned from the drafts the policy chose err on the drafts it did not. A request whose
 drafts stopped paying still probes with one token now and then (when a right draft could
-pay at all), so it drafts again when its acceptance rises.
+pay at all), so it drafts again when its acceptance rises. Where the drafter can draft in
+shadow (ngram-simple), no probe is needed: every sequence that drafts nothing drafts in
+shadow now and then, checked against the tokens it emits, so the rates measure every sequence, not only
+those the policy chose.
 
 A drafter with a model of its own must also keep up with what the target decodes, and on
 a small target that costs as much as the target itself. How depends on the drafter
@@ -68,6 +71,10 @@ Num = float | np.ndarray  #: a number or an array of them (elementwise)
 #: the engine-wide (produced, accepted) rates at draft position 1 before anything was
 #: measured (optimistic), and how many verifications they are worth
 _FIRST, _FIRST_WEIGHT = (1.0, 0.6), 2.0
+#: a sequence drafts in shadow on one step in this many (its turn set by the step and its
+#: slot, not by what its drafts found, so the samples stay unbiased): where n-grams rarely
+#: match, the lookups and their bookkeeping cost a tiny model's step a few per cent each step
+_SHADOW_EVERY = 4
 #: how much each step (or pricing) weighs against the last in :class:`_Realized`, and how many
 #: steps predicted right its prior is worth
 _REALIZED_DECAY, _REALIZED_PRIOR = 0.95, 2.0
@@ -206,7 +213,8 @@ class DraftPolicy:
     #: draft while the engine's accepted-per-row pays (see :meth:`_every_match_pays`)
     every_match: bool = False
     #: the drafter drafts in shadow (the session's ``can_shadow``: ngram-simple): a
-    #: sequence that drafts nothing asks it for its longest draft all the same, and nothing
+    #: sequence that drafts nothing asks it for its longest draft all the same (on one step
+    #: in ``_SHADOW_EVERY``), and nothing
     #: verifies that draft but the tokens the sequence emits next. Every sequence's stats and
     #: the engine's then measure what drafting every match would bring, at no cost in rows
     #: (probes measured one sequence every ``probe_every`` steps and paid for its rows), so
@@ -264,8 +272,8 @@ class DraftPolicy:
         if probe < 0 and self._none_stands(n):  # (most steps of an idle drafter: nothing to weigh)
             self._forget_choice()
             self.asked += n
-            caps = self._caps(decoding, n_draft_max, n_ctx) if self.shadowing else [0] * n
-            return Drafts([0] * n, [0] * n, None, self._shadow_asks(decoding, [0] * n, caps))
+            shadows = self._shadow_asks(decoding, [0] * n, None, step, n_draft_max, n_ctx)
+            return Drafts([0] * n, [0] * n, None, shadows)
         caps = self._caps(decoding, n_draft_max, n_ctx)
         if self._every_match_stands(n, caps):  # (an n-gram drafter's steps while that pays)
             ks = list(caps)
@@ -283,7 +291,7 @@ class DraftPolicy:
             ks = [min(k, room // n) for k in ks]
         while sum(ks) > room:  # shorten the longest drafts first
             ks[max(range(n), key=lambda i: ks[i])] -= 1
-        return Drafts(ks, caps, self.probed, self._shadow_asks(decoding, ks, caps))
+        return Drafts(ks, caps, self.probed, self._shadow_asks(decoding, ks, caps, step, n_draft_max, n_ctx))
 
     @staticmethod
     def _caps(decoding: Sequence[Request], n_draft_max: int, n_ctx: int) -> list[int]:
@@ -296,16 +304,26 @@ class DraftPolicy:
             for r in decoding
         ]
 
-    def _shadow_asks(self, decoding: Sequence[Request], ks: list[int], caps: list[int]) -> list[int]:
-        """Drafts each request asks for in shadow: its longest, where it drafts nothing and
-        no shadow draft of its own is pending."""
+    def _shadow_asks(
+        self,
+        decoding: Sequence[Request],
+        ks: list[int],
+        caps: list[int] | None,
+        step: int,
+        n_draft_max: int,
+        n_ctx: int,
+    ) -> list[int]:
+        """Drafts each request asks for in shadow: its longest (``caps``, or computed), where it
+        drafts nothing, no shadow draft of its own is pending, and its turn has come."""
+        asks = [0] * len(decoding)
         if not self.shadowing:
-            return [0] * len(decoding)
-        pending = self._shadows
-        return [
-            cap if k == 0 and ((s := pending.get(r.slot)) is None or s.request is not r) else 0  # type: ignore[arg-type]
-            for r, k, cap in zip(decoding, ks, caps, strict=True)
-        ]
+            return asks
+        for i, (r, k) in enumerate(zip(decoding, ks, strict=True)):
+            slot: int = r.slot  # type: ignore[assignment]
+            if k or (step + slot) % _SHADOW_EVERY or ((s := self._shadows.get(slot)) and s.request is r):
+                continue
+            asks[i] = caps[i] if caps is not None else self._caps([r], n_draft_max, n_ctx)[0]
+        return asks
 
     def tiles(self) -> tuple[int, int]:
         """(tile, from rows): how the native step pads a batch's rows with logits to whole
