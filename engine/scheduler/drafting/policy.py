@@ -29,9 +29,9 @@ against what the steps taken on it delivered (accepted tokens and seconds), and 
 that: estimates learned from the drafts the policy chose err on the drafts it did not. A request whose
 drafts stopped paying still probes with one token now and then (when a right draft could
 pay at all), so it drafts again when its acceptance rises. Where the drafter can draft in
-shadow (ngram-simple), no probe is needed: every sequence that drafts nothing drafts in
-shadow now and then, checked against the tokens it emits, so the rates measure every sequence, not only
-those the policy chose.
+shadow (ngram-simple), no probe is needed: a sequence that drafts nothing drafts in shadow
+now and then, checked against the tokens it emits, so the rates measure every sequence,
+not only those the policy chose.
 
 A drafter with a model of its own must also keep up with what the target decodes, and on
 a small target that costs as much as the target itself. How depends on the drafter
@@ -214,11 +214,11 @@ class DraftPolicy:
     every_match: bool = False
     #: the drafter drafts in shadow (the session's ``can_shadow``: ngram-simple): a
     #: sequence that drafts nothing asks it for its longest draft all the same (on one step
-    #: in ``_SHADOW_EVERY``), and nothing
-    #: verifies that draft but the tokens the sequence emits next. Every sequence's stats and
-    #: the engine's then measure what drafting every match would bring, at no cost in rows
-    #: (probes measured one sequence every ``probe_every`` steps and paid for its rows), so
-    #: a burst of drafts at the answers' starts does not price the rest of a run.
+    #: in ``_SHADOW_EVERY``), and nothing verifies that draft but the tokens the sequence
+    #: emits next. Every sequence's stats and the engine's then measure what drafting every
+    #: match would bring, at no cost in rows (probes measured one sequence every
+    #: ``probe_every`` steps and paid for its rows), so a burst of drafts at the answers'
+    #: starts does not price the rest of a run.
     shadow: bool = False
     probe_every: int = Tuning.probe_every  #: steps between probes now
     #: the step from which a probe is due; one stays due until a probe has an outcome, so
