@@ -10,7 +10,9 @@ The scheduler calls :class:`DraftPolicy` three times a step: :meth:`~DraftPolicy
 - :mod:`.cost`: :class:`StepCost`, what a step costs on this machine;
 - :mod:`.calibration`: measuring it at start (on the native session; imported by the engine
   loop, so that the rest imports without the extension);
-- :mod:`.stats`: :class:`DraftStats`, what a drafter got right per position.
+- :mod:`.stats`: :class:`DraftStats`, what a drafter got right per position;
+- :mod:`.shadow`: :class:`ShadowDrafts`, drafts no row verifies, checked against the tokens
+  their sequences emit (evidence of every sequence, for ngram-simple).
 """
 
 from .cost import StepCost

@@ -57,6 +57,7 @@ import numpy as np
 
 from .cost import StepCost
 from .gate import DrafterGate
+from .shadow import ShadowDrafts
 from .stats import DrafterSync, DraftStats
 
 if TYPE_CHECKING:
@@ -71,10 +72,6 @@ Num = float | np.ndarray  #: a number or an array of them (elementwise)
 #: the engine-wide (produced, accepted) rates at draft position 1 before anything was
 #: measured (optimistic), and how many verifications they are worth
 _FIRST, _FIRST_WEIGHT = (1.0, 0.6), 2.0
-#: a sequence drafts in shadow on one step in this many (its turn set by the step and its
-#: slot, not by what its drafts found, so the samples stay unbiased): where n-grams rarely
-#: match, the lookups and their bookkeeping cost a tiny model's step a few per cent each step
-_SHADOW_EVERY = 4
 #: how much each step (or pricing) weighs against the last in :class:`_Realized`, and how many
 #: steps predicted right its prior is worth
 _REALIZED_DECAY, _REALIZED_PRIOR = 0.95, 2.0
@@ -169,16 +166,6 @@ class Drafts(NamedTuple):
     shadows: list[int]  #: drafts each asks for in shadow (see :attr:`DraftPolicy.shadow`)
 
 
-@dataclass(slots=True)
-class _Shadow:
-    """A shadow draft waiting for the tokens its sequence emits."""
-
-    request: Request
-    tokens: list[int]
-    requested: int
-    seen: int = 0  #: how many of its first tokens the sequence emitted so far
-
-
 @dataclass(frozen=True)
 class Tuning:
     """The policy's constants, in one place (tests change them; nothing else does)."""
@@ -214,7 +201,7 @@ class DraftPolicy:
     every_match: bool = False
     #: the drafter drafts in shadow (the session's ``can_shadow``: ngram-simple): a
     #: sequence that drafts nothing asks it for its longest draft all the same (on one step
-    #: in ``_SHADOW_EVERY``), and nothing verifies that draft but the tokens the sequence
+    #: in ``shadow.EVERY``), and nothing verifies that draft but the tokens the sequence
     #: emits next. Every sequence's stats and the engine's then measure what drafting every
     #: match would bring, at no cost in rows (probes measured one sequence every
     #: ``probe_every`` steps and paid for its rows), so a burst of drafts at the answers'
@@ -250,7 +237,7 @@ class DraftPolicy:
     _taken: tuple[_Realized, float, float] | None = None
     _log_ways: dict[int, np.ndarray] = field(default_factory=dict)  #: log C(n, j), j = 0..n
     _prior: tuple[int, int, np.ndarray] | None = None  #: (engine version, k, priors(k) as rows)
-    _shadows: dict[int, _Shadow] = field(default_factory=dict)  #: pending shadow drafts, by slot
+    _shadows: ShadowDrafts = field(default_factory=ShadowDrafts)
 
     @property
     def shadowing(self) -> bool:
@@ -272,7 +259,11 @@ class DraftPolicy:
         if probe < 0 and self._none_stands(n):  # (most steps of an idle drafter: nothing to weigh)
             self._forget_choice()
             self.asked += n
-            shadows = self._shadow_asks(decoding, [0] * n, None, step, n_draft_max, n_ctx)
+            shadows = [0] * n
+            if self.shadowing:
+                shadows = self._shadows.asks(
+                    decoding, shadows, lambda i: self._caps([decoding[i]], n_draft_max, n_ctx)[0], step
+                )
             return Drafts([0] * n, [0] * n, None, shadows)
         caps = self._caps(decoding, n_draft_max, n_ctx)
         if self._every_match_stands(n, caps):  # (an n-gram drafter's steps while that pays)
@@ -291,7 +282,8 @@ class DraftPolicy:
             ks = [min(k, room // n) for k in ks]
         while sum(ks) > room:  # shorten the longest drafts first
             ks[max(range(n), key=lambda i: ks[i])] -= 1
-        return Drafts(ks, caps, self.probed, self._shadow_asks(decoding, ks, caps, step, n_draft_max, n_ctx))
+        shadows = self._shadows.asks(decoding, ks, caps.__getitem__, step) if self.shadowing else [0] * n
+        return Drafts(ks, caps, self.probed, shadows)
 
     @staticmethod
     def _caps(decoding: Sequence[Request], n_draft_max: int, n_ctx: int) -> list[int]:
@@ -303,27 +295,6 @@ class DraftPolicy:
             else 0
             for r in decoding
         ]
-
-    def _shadow_asks(
-        self,
-        decoding: Sequence[Request],
-        ks: list[int],
-        caps: list[int] | None,
-        step: int,
-        n_draft_max: int,
-        n_ctx: int,
-    ) -> list[int]:
-        """Drafts each request asks for in shadow: its longest (``caps``, or computed), where it
-        drafts nothing, no shadow draft of its own is pending, and its turn has come."""
-        asks = [0] * len(decoding)
-        if not self.shadowing:
-            return asks
-        for i, (r, k) in enumerate(zip(decoding, ks, strict=True)):
-            slot: int = r.slot  # type: ignore[assignment]
-            if k or (step + slot) % _SHADOW_EVERY or ((s := self._shadows.get(slot)) and s.request is r):
-                continue
-            asks[i] = caps[i] if caps is not None else self._caps([r], n_draft_max, n_ctx)[0]
-        return asks
 
     def tiles(self) -> tuple[int, int]:
         """(tile, from rows): how the native step pads a batch's rows with logits to whole
@@ -349,7 +320,8 @@ class DraftPolicy:
         """A native step's result (``_nb_spec.StepResult``, its outputs by sequence): each
         verification, a probe's outcome, and what the step cost."""
         if self.shadowing:
-            self._check_shadows(work, outputs)
+            for request, asked_for, drafted, right in self._shadows.check(work, outputs):
+                self.observe_verification(request.draft_stats, asked_for, drafted, right, shadow=True)
         asked = False
         for w in work:
             if w.n_draft == 0 or (out := outputs.get(w.request.slot)) is None:
@@ -391,33 +363,6 @@ class DraftPolicy:
             )
         if result.n_sync_tokens:
             self.observe_sync(result.n_sync_tokens, (result.t_process_us + result.t_catch_up_us) / 1e6)
-
-    def _check_shadows(self, work: Sequence[WorkItem], outputs: dict[Any, Any]) -> None:
-        """This step's shadow drafts and the pending ones against the tokens their sequences
-        emitted: one is recorded as a verification once a token differs or every token of
-        it was emitted (one of a request that ends first is dropped)."""
-        for w in work:
-            if not w.decoding or (out := outputs.get(w.request.slot)) is None:
-                continue
-            slot = out.seq
-            pending = self._shadows.get(slot)
-            if w.shadow:
-                if not out.shadow:  # (no n-gram matched)
-                    self.observe_verification(w.request.draft_stats, w.shadow, 0, 0, shadow=True)
-                    continue
-                pending = self._shadows[slot] = _Shadow(w.request, list(out.shadow), w.shadow)
-            elif pending is None or pending.request is not w.request:
-                continue
-            draft, emitted, m = pending.tokens, out.tokens, 0
-            while (
-                m < len(emitted) and pending.seen + m < len(draft) and draft[pending.seen + m] == emitted[m]
-            ):
-                m += 1
-            pending.seen += m
-            if m < len(emitted) or pending.seen == len(draft):
-                del self._shadows[slot]
-                stats = w.request.draft_stats
-                self.observe_verification(stats, pending.requested, len(draft), pending.seen, shadow=True)
 
     def prior(self, m: int) -> tuple[float, float]:
         """Engine-wide rates at position m (see :meth:`priors`)."""
