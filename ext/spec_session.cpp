@@ -419,7 +419,7 @@ std::vector<llama_token> SpecSession::draft(int32_t seq_id, int32_t n_past, llam
 void SpecSession::check_draft_request(const DraftRequest & r) const {
     const uint32_t n_ctx = target_->params().n_ctx;
     check_seq(r.seq_id);
-    if (r.shadow && !can_shadow()) {
+    if (r.n_propose >= 0 && !can_shadow()) {
         fail(ErrorKind::InvalidArgument, "a '" + config_.type +
                                              "' drafter cannot draft in shadow: its state follows what is verified");
     }
@@ -495,10 +495,13 @@ std::vector<std::vector<llama_token>> SpecSession::draft_many(const std::vector<
         const int32_t s = requests[i].seq_id;
         out[i] = std::move(results_[s]);
         results_[s].clear();
-        if (!out[i].empty() && !requests[i].shadow) {
-            pending_[s] = static_cast<int32_t>(out[i].size());
+        const int32_t propose = requests[i].n_propose < 0
+                                    ? static_cast<int32_t>(out[i].size())
+                                    : std::min(requests[i].n_propose, static_cast<int32_t>(out[i].size()));
+        if (propose > 0) {
+            pending_[s] = propose;
             ++stats_.n_drafts;
-            stats_.n_drafted += out[i].size();
+            stats_.n_drafted += static_cast<uint64_t>(propose);
         }
     }
     return out;

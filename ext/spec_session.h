@@ -60,10 +60,11 @@ struct DraftRequest {
     int32_t n_past;
     int32_t id_last;
     int32_t n_max;  // -1: the configured n_draft_max
-    // Drafted only to be compared with what the target emits later: no proposal is left
-    // pending (nothing is verified, accepted or counted). Only a drafter whose state does
-    // not follow what is verified can (can_shadow).
-    bool shadow = false;
+    // How many of the drafted tokens are proposed for verification (-1: all). The rest is
+    // drafted in shadow, only to be compared with what the target emits later: no proposal
+    // is left pending for it, nothing counted (0: a shadow draft). Only a drafter whose state
+    // does not follow what is verified may propose fewer than it drafts (can_shadow).
+    int32_t n_propose = -1;
 };
 
 // One sequence's whole state, captured at a quiescent point: target and draft KV (llama.cpp
@@ -118,7 +119,7 @@ public:
     void check_draft_request(const DraftRequest & r) const;
     // One upstream draft call for many sequences; result i belongs to requests[i].
     std::vector<std::vector<llama_token>> draft_many(const std::vector<DraftRequest> & requests);
-    // Whether the drafter may draft in shadow (DraftRequest::shadow): ngram-simple, whose
+    // Whether the drafter may draft in shadow (DraftRequest::n_propose): ngram-simple, whose
     // drafts are a pure function of the history and whose accept does nothing.
     bool can_shadow() const { return config_.type == "ngram-simple"; }
     void accept(int32_t seq_id, int64_t n_accepted);

@@ -199,8 +199,8 @@ void StepRunner::select_work(State & st) {
                 // drafting continues from a token whose predecessors the drafter has seen
                 fail(ErrorKind::InvalidArgument, "only a single-token sampling item may draft");
             }
-            if (w.shadow > 0 && (w.n_draft > 0 || w.tokens.size() != 1 || !w.sample)) {
-                fail(ErrorKind::InvalidArgument, "only a single-token sampling item that drafts nothing may shadow");
+            if (w.shadow > 0 && (w.tokens.size() != 1 || !w.sample)) {
+                fail(ErrorKind::InvalidArgument, "only a single-token sampling item may draft in shadow");
             }
             if (w.tokens.size() + std::max(w.n_draft, 0) > n_batch) {
                 fail(ErrorKind::InvalidArgument, "a work item exceeds n_batch");
@@ -223,8 +223,10 @@ void StepRunner::draft(State & st) {
     for (auto it = st.work.begin(); it != st.work.end();) {
         const StepWork * w = *it;
         if (w->sample && (w->n_draft > 0 || w->shadow > 0)) {
-            const bool shadow = w->n_draft <= 0;
-            DraftRequest r{w->seq, w->pos0, w->tokens.back(), shadow ? w->shadow : w->n_draft, shadow};
+            // (one draft of the longer: its first n_draft tokens are verified, all returned)
+            const int32_t n_draft = std::max(w->n_draft, 0);
+            DraftRequest r{w->seq, w->pos0, w->tokens.back(), std::max(n_draft, w->shadow),
+                           w->shadow > 0 ? n_draft : -1};
             try {
                 s.check_draft_request(r);  // one bad request must not fail the others' draft call
             } catch (const std::exception & e) {
@@ -244,7 +246,13 @@ void StepRunner::draft(State & st) {
     try {
         std::vector<std::vector<llama_token>> got = s.draft_many(requests);
         for (size_t i = 0; i < requests.size(); ++i) {
-            (requests[i].shadow ? st.shadows : st.drafts)[requests[i].seq_id] = std::move(got[i]);
+            const DraftRequest & r = requests[i];
+            std::vector<llama_token> & d = got[i];
+            if (r.n_propose >= 0) {
+                st.shadows[r.seq_id] = d;
+                d.resize(std::min(d.size(), static_cast<size_t>(r.n_propose)));
+            }
+            st.drafts[r.seq_id] = std::move(d);
         }
     } catch (const std::exception & e) {
         // drafts are optional: the step goes on without them (nothing is pending)
@@ -256,8 +264,9 @@ void StepRunner::draft(State & st) {
     st.result.t_draft_us += now_us() - t0 - (stats.t_catch_up_us - t_caught_up);
     st.result.n_draft_calls = 1;
     // (shadow drafts take no rows)
-    requests.erase(std::remove_if(requests.begin(), requests.end(), [](const DraftRequest & r) { return r.shadow; }),
-                   requests.end());
+    requests.erase(
+        std::remove_if(requests.begin(), requests.end(), [](const DraftRequest & r) { return r.n_propose == 0; }),
+        requests.end());
     size_t shortest = SIZE_MAX;
     for (const DraftRequest & r : requests) {
         st.produced[r.seq_id] = static_cast<int32_t>(st.drafts[r.seq_id].size());

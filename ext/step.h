@@ -33,8 +33,9 @@ struct StepWork {
     int32_t n_draft = 0;          // at most this many draft tokens after `tokens`
     int32_t max_draft = 0;        // draft rows it may take, fillers included (see output_align)
     bool begin = false;           // the last chunk of a prompt: start the drafter's generation
-    // Drafts made only to be compared with the tokens the sequence emits (free evidence
-    // of what drafting would bring): none is verified. Needs n_draft == 0 (can_shadow).
+    // Draft this many (at least n_draft) and return the whole draft (StepOutput::shadow),
+    // to be compared with the tokens the sequence emits (free evidence of what drafting
+    // longer would bring): only its first n_draft are verified (can_shadow).
     int32_t shadow = 0;
 };
 

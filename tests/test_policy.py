@@ -6,6 +6,8 @@ from __future__ import annotations
 import itertools
 from types import SimpleNamespace
 
+import pytest
+
 from engine.scheduler.drafting import (
     DrafterGate,
     DrafterSync,
@@ -862,6 +864,45 @@ def test_a_shadow_draft_is_checked_against_the_tokens_its_sequence_emits() -> No
     assert _shadow_step(policy, [request], 4, [[1]], {}) == [16]  # no match: recorded at once
     assert stats.version == 2 and stats.matched == 1
     assert policy.probed is None and policy.next_probe == 0
+
+
+def test_the_rest_of_a_short_draft_is_checked_in_shadow_past_what_rows_verified() -> None:
+    """A sequence that drafts 2 of the 16 tokens it could asks for all 16 in shadow on its
+    turn: rows verify the first 2 (the verification records them), and the rest is checked
+    against the tokens the sequence emits; only the positions past 2 are recorded from it,
+    with no second match counted and no second decay."""
+    policy = DraftPolicy(cost=linear_cost(0.001, 0.020), every_match=True, shadow=True)
+    stats = DraftStats(decay=0.5)
+    request = decoding_request(stats)
+    request.slot = 0
+    shadows = policy._shadows
+    assert shadows.asks([request], [2], lambda i: 16, 0) == [16]
+    assert shadows.asks([request], [16], lambda i: 16, 0) == [0]  # (its longest: nothing past it)
+    assert shadows.asks([request], [2], lambda i: 16, 1) == [0]  # (not its turn)
+
+    def step(n_draft: int, shadow: int, tokens: list[int], drafted: list[int]) -> None:
+        work = [
+            SimpleNamespace(
+                request=request, sample=True, decoding=True, n_draft=n_draft, probe=False, shadow=shadow
+            )
+        ]
+        k = min(n_draft, len(drafted))
+        accepted = next((i for i in range(k) if drafted[i] != tokens[i]), k)
+        out = SimpleNamespace(
+            seq=0, drafted=k, produced=k, accepted=accepted, tokens=tokens, shadow=drafted if shadow else []
+        )
+        policy.observe(work, step_result([out], 1e3), by_seq([out]))
+
+    step(2, 16, [5, 6, 7], [5, 6, 7, 8, 9])  # 2 verified and right, then 7 sampled: as drafted
+    assert stats.version == 1 and stats.counts(3)[:, 2].tolist() == [0, 0, 0]  # (the rest: pending)
+    step(0, 0, [8], [])
+    step(0, 0, [1], [])  # 9 drafted: 4 of 5 right
+    counts = stats.counts(16)
+    assert counts[0].tolist() == [1.0] * 16  # (requested: 1..2 by the rows, 3..16 in shadow)
+    assert counts[1].tolist() == [1.0] * 5 + [0.0] * 11
+    assert counts[2].tolist() == [1.0] * 4 + [0.0] * 12
+    assert (stats.version, stats.matched, stats.rejected) == (2, 1, 0)
+    assert policy.engine.counts(5)[2].tolist() == pytest.approx([1.0] * 4 + [0.0])
 
 
 def test_a_shadow_draft_of_a_request_that_ended_is_dropped() -> None:

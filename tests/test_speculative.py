@@ -195,19 +195,37 @@ def test_shadow_drafts_are_drafted_but_never_verified(models: ModelCache) -> Non
         assert emitted[i : i + len(draft)] == draft[: len(emitted) - i]
 
 
-def test_a_shadow_draft_is_refused_where_it_cannot_be_one(models: ModelCache) -> None:
-    """Shadow drafts need an item that drafts nothing and a drafter whose state does not
-    follow what is verified (ngram-mod's does): otherwise the step refuses the item with a
-    typed error and goes on."""
+def test_the_rest_of_a_short_draft_is_drafted_in_shadow(models: ModelCache) -> None:
+    """An item that drafts 2 tokens and asks for 5 in shadow gets one draft of up to 5: the
+    step verifies its first 2 (the session counts only those), and returns all of it. The
+    output stays plain greedy's."""
     prompt = models("walk-llama-cycle6").tokenize(TEXTS[2])
-    simple = open_session(
-        models, "walk-llama-cycle6", None, "ngram-simple", {"ngram_size_n": 2}, False, n_seq=1
-    )
-    (both,) = _greedy_steps(simple, prompt, 1, shadow=4, n_draft=2)
-    assert [e.kind for e in both.errors] == ["InvalidArgumentError"] and "shadow" in both.errors[0].message
-    mod = open_session(models, "walk-llama-cycle6", None, "ngram-mod", {}, False, n_seq=1)
-    assert not mod.can_shadow()
-    (refused,) = _greedy_steps(mod, prompt, 1, shadow=4)
-    assert [e.kind for e in refused.errors] == ["InvalidArgumentError"]
-    assert "cannot draft in shadow" in refused.errors[0].message
+    spec = ("walk-llama-cycle6", None, "ngram-simple", {"ngram_size_n": 2, "ngram_size_m": 8}, False)
+    session = open_session(models, *spec, n_seq=1)
+    outs = _greedy_steps(session, prompt, 16, shadow=5, n_draft=2)
+    drafted = [out for out in outs if out.drafted]
+    assert drafted and all(out.drafted <= 2 for out in outs)
+    assert any(len(out.shadow) > out.drafted for out in drafted)  # (the rest, unverified)
+    assert session.stats().n_drafted == sum(out.drafted for out in outs)
+    for out in outs:
+        assert len(out.shadow) <= 5
+        # (the rows verified the shadow's first tokens: the accepted ones are its own)
+        assert list(out.shadow[: out.accepted]) == list(out.tokens[: out.accepted])
+        if out.drafted:
+            assert len(out.shadow) >= out.drafted
+    emitted = [t for out in outs for t in out.tokens]
+    plain = _greedy_steps(open_session(models, *spec, n_seq=1), prompt, len(emitted), shadow=0)
+    assert emitted == [out.tokens[0] for out in plain]
+
+
+def test_a_shadow_draft_is_refused_where_it_cannot_be_one(models: ModelCache) -> None:
+    """Shadow drafts need a drafter whose state does not follow what is verified (ngram-mod's
+    does): otherwise the step refuses the item with a typed error and goes on."""
+    prompt = models("walk-llama-cycle6").tokenize(TEXTS[2])
+    for n_draft in (0, 2):
+        mod = open_session(models, "walk-llama-cycle6", None, "ngram-mod", {}, False, n_seq=1)
+        assert not mod.can_shadow()
+        (refused,) = _greedy_steps(mod, prompt, 1, shadow=4, n_draft=n_draft)
+        assert [e.kind for e in refused.errors] == ["InvalidArgumentError"]
+        assert "cannot draft in shadow" in refused.errors[0].message
     assert mod.is_quiescent()

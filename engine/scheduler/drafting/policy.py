@@ -29,9 +29,9 @@ against what the steps taken on it delivered (accepted tokens and seconds), and 
 that: estimates learned from the drafts the policy chose err on the drafts it did not. A request whose
 drafts stopped paying still probes with one token now and then (when a right draft could
 pay at all), so it drafts again when its acceptance rises. Where the drafter can draft in
-shadow (ngram-simple), no probe is needed: a sequence that drafts nothing drafts in shadow
-now and then, checked against the tokens it emits, so the rates measure every sequence,
-not only those the policy chose.
+shadow (ngram-simple), no probe is needed: a sequence that drafts nothing, or less than
+its longest draft, drafts that in shadow now and then, checked against the tokens it emits,
+so the rates measure every sequence and every position, not only those the policy chose.
 
 A drafter with a model of its own must also keep up with what the target decodes, and on
 a small target that costs as much as the target itself. How depends on the drafter
@@ -200,9 +200,9 @@ class DraftPolicy:
     #: draft while the engine's accepted-per-row pays (see :meth:`_every_match_pays`)
     every_match: bool = False
     #: the drafter drafts in shadow (the session's ``can_shadow``: ngram-simple): a
-    #: sequence that drafts nothing asks it for its longest draft all the same (on one step
-    #: in ``shadow.EVERY``), and nothing verifies that draft but the tokens the sequence
-    #: emits next. Every sequence's stats and the engine's then measure what drafting every
+    #: sequence that drafts nothing, or less than it could, asks it for its longest draft all
+    #: the same (on one step in ``shadow.EVERY``), and nothing verifies what rows do not but
+    #: the tokens the sequence emits next. Every sequence's stats and the engine's then measure what drafting every
     #: match would bring, at no cost in rows (probes measured one sequence every
     #: ``probe_every`` steps and paid for its rows), so a burst of drafts at the answers'
     #: starts does not price the rest of a run.
@@ -241,7 +241,7 @@ class DraftPolicy:
 
     @property
     def shadowing(self) -> bool:
-        """Whether sequences that draft nothing draft in shadow (see :attr:`shadow`)."""
+        """Whether sequences that draft less than they could draft in shadow (see :attr:`shadow`)."""
         return self.shadow and self.adaptive and self.every_match and not self.uniform
 
     # --- what the scheduler calls: choose a step's drafts, feed the drafter, observe -------
@@ -320,8 +320,8 @@ class DraftPolicy:
         """A native step's result (``_nb_spec.StepResult``, its outputs by sequence): each
         verification, a probe's outcome, and what the step cost."""
         if self.shadowing:
-            for request, asked_for, drafted, right in self._shadows.check(work, outputs):
-                self.observe_verification(request.draft_stats, asked_for, drafted, right, shadow=True)
+            for request, asked_for, drafted, right, verified in self._shadows.check(work, outputs):
+                self.observe_verification(request.draft_stats, asked_for, drafted, right, True, verified)
         asked = False
         for w in work:
             if w.n_draft == 0 or (out := outputs.get(w.request.slot)) is None:
@@ -717,7 +717,13 @@ class DraftPolicy:
         self.cost.observe_sync(rows, seconds)
 
     def observe_verification(
-        self, stats: DraftStats, requested: int, produced: int, accepted: int, shadow: bool = False
+        self,
+        stats: DraftStats,
+        requested: int,
+        produced: int,
+        accepted: int,
+        shadow: bool = False,
+        first: int = 0,
     ) -> None:
-        stats.record(requested, produced, accepted, shadow)
-        self.engine.record(requested, produced, accepted, shadow)
+        stats.record(requested, produced, accepted, shadow, first)
+        self.engine.record(requested, produced, accepted, shadow, first)

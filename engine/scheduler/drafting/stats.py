@@ -53,14 +53,19 @@ class DraftStats:
     _dense: tuple[int, list[list[float]]] | None = field(default=None, repr=False, compare=False)  #: _runs
     _counts: tuple[int, np.ndarray] | None = field(default=None, repr=False, compare=False)
 
-    def record(self, requested: int, produced: int, accepted: int, shadow: bool = False) -> None:
+    def record(
+        self, requested: int, produced: int, accepted: int, shadow: bool = False, first: int = 0
+    ) -> None:
         """One verification: ``requested`` draft positions, ``produced`` of them drafted,
         the first ``accepted`` of those accepted; ``shadow``: a draft checked against the
-        tokens emitted after it, not verified (its rejection cost no rows)."""
-        if requested <= 0:
+        tokens emitted after it, not verified (its rejection cost no rows). ``first``: the
+        rest of a draft whose first positions a verification recorded already; only the
+        positions after ``first`` count (not a verification of its own: no decay, and the
+        match or rejection was counted with it)."""
+        if requested <= first:
             return
         self.version += 1
-        if self.decay < 1.0:
+        if self.decay < 1.0 and not first:
             self._scale *= self.decay
             if self._scale < 1e-100:  # (long before the stored values could overflow)
                 self._rescale()
@@ -70,23 +75,25 @@ class DraftStats:
                 d.extend([0.0] * (requested + 1 - len(d)))
         if produced <= 0:  # (most records of an n-gram drafter asked without a match)
             d = diffs[_REQUESTED]
-            d[0] += unit
+            d[first] += unit
             d[requested] -= unit
-            sums[_REQUESTED] += unit * requested
+            sums[_REQUESTED] += unit * (requested - first)
             return
         produced, accepted = min(produced, requested), min(accepted, produced, requested)
-        self.matched += 1
-        if accepted < produced and not shadow:
-            self.rejected += 1
+        if not first:
+            self.matched += 1
+            if accepted < produced and not shadow:
+                self.rejected += 1
         for series, upto in ((_REQUESTED, requested), (_PRODUCED, produced), (_ACCEPTED, accepted)):
-            if upto > 0:
+            if upto > first:
                 d = diffs[series]
-                d[0] += unit
+                d[first] += unit
                 d[upto] -= unit
-                sums[series] += unit * upto
+                sums[series] += unit * (upto - first)
         # (positions 2.. up to one past the last produced / accepted token)
-        sums[_AFTER_PRODUCED] += unit * (min(produced + 1, requested) - 1)
-        sums[_AFTER_ACCEPTED] += unit * (min(accepted + 1, requested) - 1)
+        after = max(first, 1)
+        sums[_AFTER_PRODUCED] += unit * max(min(produced + 1, requested) - after, 0)
+        sums[_AFTER_ACCEPTED] += unit * max(min(accepted + 1, requested) - after, 0)
 
     def _rescale(self) -> None:
         scale = self._scale
