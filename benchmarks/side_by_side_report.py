@@ -5,6 +5,7 @@ run's ``meta``."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -153,8 +154,27 @@ def update_readme(table: list[str], path: Path, marker: str = "speculation-table
     path.write_text(head + begin + "\n" + "\n".join(table) + "\n" + end + tail)
 
 
-def report(sections: list[dict[str, Any]], meta: dict[str, Any], speculation: list[str]) -> str:
-    """BENCHMARKS.md; ``speculation`` is :func:`speculation_table`'s."""
+def _cross_check(sec: dict[str, Any]) -> str:
+    """The correctness cross-check's sentence for one prompt set, as far as it was made."""
+    n1, lcp = sec["agreement_n1"], sec["agreement_lcp"]
+    if math.isnan(n1):
+        return "Correctness cross-check: not made in this run (it needs N = 1 with speculation off)."
+    return (
+        "Correctness cross-check: with speculation off and one stream, our greedy tokens and "
+        f"llama-server's agree on {n1:.0%} of requests (must be 100%)"
+        + (
+            "; llama-cpp-python did not run."
+            if math.isnan(lcp)
+            else f", ours and llama-cpp-python's on {lcp:.0%}."
+        )
+    )
+
+
+def report(
+    sections: list[dict[str, Any]], meta: dict[str, Any], speculation: list[str], plot: bool = True
+) -> str:
+    """BENCHMARKS.md; ``speculation`` is :func:`speculation_table`'s; ``plot``: the run draws
+    ``benchmarks/results/speculation.png``."""
     lines = [
         "# Benchmarks: side by side",
         "",
@@ -194,10 +214,13 @@ def report(sections: list[dict[str, Any]], meta: dict[str, Any], speculation: li
         "the tail and every wait for a first token included), paired the same way:",
         "",
         *whole_run_table(sections),
-        "",
-        "![tokens/s against concurrent streams, speculation on and off, ours and llama-server]"
-        "(benchmarks/results/speculation.png)",
     ]
+    if plot:
+        lines += [
+            "",
+            "![tokens/s against concurrent streams, speculation on and off, ours and llama-server]"
+            "(benchmarks/results/speculation.png)",
+        ]
     for sec in sections:
         title = PROMPT_SET_TITLES.get(sec["prompts"], f"Prompts from `{sec['prompts']}`")
         lines += [
@@ -207,9 +230,7 @@ def report(sections: list[dict[str, Any]], meta: dict[str, Any], speculation: li
             *_table(sec["rows"]),
             *(["", DRAFTED_NOTHING] if any(drafted_nothing(r) for r in sec["rows"]) else []),
             "",
-            "Correctness cross-check: with speculation off and one stream, our greedy tokens and "
-            f"llama-server's agree on {sec['agreement_n1']:.0%} of requests (must be 100%), ours and "
-            f"llama-cpp-python's on {sec['agreement_lcp']:.0%}.",
+            _cross_check(sec),
         ]
     lines += [
         "",
