@@ -202,10 +202,10 @@ class DraftPolicy:
     #: the drafter drafts in shadow (the session's ``can_shadow``: ngram-simple): a
     #: sequence that drafts nothing, or less than it could, asks it for its longest draft all
     #: the same (on one step in ``shadow.EVERY``), and nothing verifies what rows do not but
-    #: the tokens the sequence emits next. Every sequence's stats and the engine's then measure what drafting every
-    #: match would bring, at no cost in rows (probes measured one sequence every
-    #: ``probe_every`` steps and paid for its rows), so a burst of drafts at the answers'
-    #: starts does not price the rest of a run.
+    #: the tokens the sequence emits next. Every sequence's stats and the engine's then
+    #: measure what drafting every match would bring, at no cost in rows (probes measured
+    #: one sequence every ``probe_every`` steps and paid for its rows), so a burst of drafts
+    #: at the answers' starts does not price the rest of a run.
     shadow: bool = False
     probe_every: int = Tuning.probe_every  #: steps between probes now
     #: the step from which a probe is due; one stays due until a probe has an outcome, so
